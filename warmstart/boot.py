@@ -1,0 +1,175 @@
+"""The boot pipeline: config -> tokenizer -> weights -> memory (plan or profile) -> KV -> warm-up -> ready.
+
+Each stage is a named, timed step (startup/steps.py). Measured facts come out as new objects (ModelSpec,
+MemoryLedger, StartupReport); the EngineConfig that went in is never changed."""
+from __future__ import annotations
+
+import gc
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from warmstart.config import EngineConfig, format_bytes
+from warmstart.engine.engine import Engine
+from warmstart.engine.scheduler import SchedulerLimits
+from warmstart.errors import UserError
+from warmstart.models.registry import build_model
+from warmstart.models.spec import ModelSpec
+from warmstart.runner.runner import ModelRunner
+from warmstart.sampling_params import SamplingParams
+from warmstart.startup.device import Device, DeviceFacts, get_device
+from warmstart.startup.ledger import OVERHEAD_QUANTUM, MemoryLedger, round_up
+from warmstart.startup.report import PlanOutcome, StartupReport, WeightsOutcome
+from warmstart.startup.steps import StepTimer
+from warmstart.tokenizer import Tokenizer
+from warmstart.weights.loader import DTYPES, bind_weights, load_tensors, materialize_buffers, weights_nbytes
+
+log = logging.getLogger("warmstart")
+
+
+@dataclass
+class Booted:
+    """A ready engine and everything the boot learned on the way."""
+    config: EngineConfig
+    model_dir: Path
+    spec: ModelSpec
+    tokenizer: Tokenizer
+    runner: ModelRunner
+    engine: Engine
+    ledger: MemoryLedger
+    report: StartupReport
+    max_model_len: int
+
+
+def resolve_model_dir(model: str, cache_dir: Path) -> Path:
+    """A model folder as given, a .gguf file imported once into the cache, or the bundled default model."""
+    if model in ("", "default"):
+        from warmstart.weights.gguf import default_model_dir
+        return default_model_dir(cache_dir=cache_dir)
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        from warmstart.weights.gguf import import_gguf
+        return import_gguf(path, cache_dir=cache_dir)
+    if not path.exists():
+        raise UserError(f"Model {model!r} was not found. Pass a local Hugging Face folder (config.json, "
+                        "*.safetensors, tokenizer.json) or a .gguf file; warmstart never downloads models.")
+    if not path.is_dir():
+        raise UserError(f"{model} is a file, not a model folder. Pass the folder that holds config.json, or a "
+                        ".gguf file to import.")
+    return path
+
+
+def resolve_dtype(requested: str, facts: DeviceFacts) -> torch.dtype:
+    if requested != "auto":
+        if requested == "bfloat16" and facts.kind == "cpu" and not facts.has_fast_bf16:
+            log.warning("bfloat16 on this CPU (%s) has no native matmul support and runs slower than float32",
+                        facts.capability)
+        return DTYPES[requested]
+    if facts.kind == "cuda":
+        return torch.bfloat16 if facts.has_fast_bf16 else torch.float16
+    # CPUs without AMX run bf16 matmuls slower than fp32 (measured on AVX2 and AVX512-BF16 parts).
+    return torch.bfloat16 if facts.has_fast_bf16 else torch.float32
+
+
+def boot(config: EngineConfig, timer: StepTimer | None = None) -> Booted:
+    timer = timer or StepTimer.starting_now()
+    with timer.step("config"):
+        model_dir = resolve_model_dir(config.model, config.cache_dir)
+        spec = ModelSpec.from_dir(model_dir)
+        device = get_device(config.device_kind, _device_index(config.device))
+        facts = device.facts()
+        free_at_boot = device.free_bytes()
+        dtype = resolve_dtype(config.dtype, facts)
+        kv_dtype = dtype if config.kv_cache_dtype == "auto" else DTYPES[config.kv_cache_dtype]
+        max_model_len = _max_model_len(config, spec)
+        torch.manual_seed(config.seed)
+    with timer.step("tokenizer"):
+        tokenizer = Tokenizer(model_dir)
+        # Runtime overhead: what the process holds before any weight arrives (interpreter, torch, tokenizer).
+        overhead = round_up(device.process_bytes(), OVERHEAD_QUANTUM) if device.kind == "cpu" else 0
+    with timer.step("weights"):
+        tensors = load_tensors(model_dir, dtype, device.torch_device())
+        with torch.device("meta"):
+            model = build_model(spec)
+        bind_weights(model, tensors, model.tied_weights())
+        materialize_buffers(model, device.torch_device())
+        model.eval()
+        weights = weights_nbytes(tensors)
+        del tensors
+        weights_outcome = WeightsOutcome("disk")
+        runner = ModelRunner(model, device.torch_device(), kv_dtype)
+    with timer.step("memory profile"):
+        activation = _profile(runner, device, config, max_model_len)
+        if device.kind == "cuda":
+            overhead = _cuda_overhead(device, facts, free_at_boot)
+        ledger = MemoryLedger.size(
+            budget=int(config.utilization * facts.total_bytes), weights=weights, external=0,
+            activation=activation, overhead=overhead, kv_block_bytes=runner.kv_block_bytes(config.block_size),
+            block_size=config.block_size, device=f"{facts.kind}:{facts.name}", total=facts.total_bytes,
+            free=free_at_boot, explicit_kv=config.kv_cache_memory)
+        plan = PlanOutcome("bypassed" if config.kv_cache_memory is not None else "off")
+    with timer.step("kv allocation"):
+        _check_fits(ledger, max_model_len, config)
+        runner.allocate_kv(ledger.num_kv_blocks, ledger.block_size)
+    engine = Engine(runner, SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, max_model_len),
+                    ledger.num_kv_blocks, ledger.block_size, spec.vocab_size, spec.eos_token_ids, tokenizer.decode)
+    with timer.step("warm-up"):
+        _warm_up(engine)
+    with timer.step("ready"):
+        log.info("%s", ledger.table())
+    report = StartupReport(timer.wall_seconds, timer.to_list(), plan, ledger, weights_outcome)
+    log.info("startup steps:\n%s", timer.table())
+    return Booted(config, model_dir, spec, tokenizer, runner, engine, ledger, report, max_model_len)
+
+
+def _device_index(device: str) -> int:
+    return int(device.split(":")[1]) if ":" in device else 0
+
+
+def _max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
+    if config.max_model_len is None:
+        return spec.max_position_embeddings
+    if config.max_model_len > spec.max_position_embeddings:
+        raise UserError(f"--max-model-len {config.max_model_len} exceeds the model's "
+                        f"max_position_embeddings ({spec.max_position_embeddings}). Lower it.")
+    return config.max_model_len
+
+
+def _profile(runner: ModelRunner, device: Device, config: EngineConfig, max_model_len: int) -> int:
+    """Peak bytes a worst-case step allocates above the weights: one forward of max_num_batched_tokens."""
+    gc.collect()
+    with device.track_peak() as peak:
+        runner.profile_forward(config.max_num_batched_tokens, max_model_len, config.max_num_seqs)
+    gc.collect()
+    return int(peak["peak_bytes"])
+
+
+def _cuda_overhead(device: Device, facts: DeviceFacts, free_at_boot: int) -> int:
+    """Non-torch GPU memory this boot added (CUDA context, library workspaces), from cudaMemGetInfo."""
+    used_since_boot = free_at_boot - device.free_bytes()
+    return round_up(max(0, used_since_boot - torch.cuda.memory_reserved(facts.index)), OVERHEAD_QUANTUM)
+
+
+def _check_fits(ledger: MemoryLedger, max_model_len: int, config: EngineConfig) -> None:
+    if ledger.token_capacity >= max_model_len:
+        return
+    if config.kv_cache_memory is not None:
+        source = f"--kv-cache-memory {format_bytes(config.kv_cache_memory)}"
+    else:
+        source = (f"--memory-utilization {config.utilization} (budget {format_bytes(ledger.budget_bytes)}, of "
+                  f"which {format_bytes(ledger.non_kv_bytes)} is weights, activations and runtime)")
+    raise UserError(f"The KV cache is too small for one sequence: {source} leaves room for "
+                    f"{ledger.token_capacity} tokens but max_model_len is {max_model_len} "
+                    f"(one token needs {format_bytes(ledger.kv_block_bytes / ledger.block_size)}). Raise "
+                    "--memory-utilization or --kv-cache-memory, or lower --max-model-len.")
+
+
+def _warm_up(engine: Engine) -> None:
+    """One prefill and one decode through the real engine, so the first request pays no first-call costs."""
+    engine.add("__warmup__", [0] * min(8, engine.limits.max_model_len - 2), SamplingParams(max_tokens=2,
+                                                                                          temperature=0))
+    while engine.has_unfinished:
+        engine.step()
+    engine.step()                                  # flushes the finished id to the runner

@@ -1,0 +1,160 @@
+"""`warmstart generate | serve | import-gguf | plan | weights` — the command line.
+
+Every behaviour-changing knob is a flag here with the EngineConfig default; user errors print one paragraph and
+exit 2, without a traceback."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from dataclasses import fields
+
+from warmstart.config import DEFAULT_UTILIZATION, EngineConfig, parse_bytes
+from warmstart.errors import UserError
+from warmstart.paths import warmstart_cache_dir
+
+_D = {f.name: f.default for f in fields(EngineConfig) if f.default is not f.default_factory}
+
+
+def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> None:
+    if model_required:
+        p.add_argument("model", help="a Hugging Face model folder (config.json, *.safetensors, tokenizer.json) "
+                                     "or a .gguf file, which is imported once into the cache")
+    g = p.add_argument_group("engine")
+    g.add_argument("--dtype", default=_D["dtype"], choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weight and activation dtype; auto = bfloat16 on GPUs (sm_80+) and AMX CPUs, else "
+                        "float32 on CPU, float16 on older GPUs")
+    g.add_argument("--device", default=_D["device"], help="auto, cpu or cuda[:N] (default: auto)")
+    g.add_argument("--memory-utilization", type=float, default=None,
+                   help=f"fraction of device memory this engine may use (default {DEFAULT_UTILIZATION['cuda']} "
+                        f"on GPU, {DEFAULT_UTILIZATION['cpu']} of host RAM on CPU)")
+    g.add_argument("--kv-cache-memory", type=parse_bytes, default=None, metavar="BYTES",
+                   help="explicit KV cache size such as 256MiB or 2GiB; wins over --memory-utilization and "
+                        "neither reads nor writes startup plans")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    g.add_argument("--max-num-seqs", type=int, default=_D["max_num_seqs"],
+                   help=f"sequences running at once (default {_D['max_num_seqs']})")
+    g.add_argument("--max-num-batched-tokens", type=int, default=_D["max_num_batched_tokens"],
+                   help=f"tokens per step; long prompts are prefilled in chunks of this size "
+                        f"(default {_D['max_num_batched_tokens']})")
+    g.add_argument("--block-size", type=int, default=_D["block_size"],
+                   help=f"tokens per KV block (default {_D['block_size']})")
+    g.add_argument("--kv-cache-dtype", default=_D["kv_cache_dtype"],
+                   choices=["auto", "float32", "bfloat16", "float16"], help="default: the model dtype")
+    g.add_argument("--compile", action="store_true", help="torch.compile the model, with a persistent "
+                                                         "compiler cache under --cache-dir")
+    g.add_argument("--cache-dir", default=None,
+                   help=f"plans, imported models and the compiler cache (default {warmstart_cache_dir()}, "
+                        "or $WARMSTART_CACHE_DIR)")
+    g.add_argument("--seed", type=int, default=_D["seed"], help="global seed for unseeded sampling")
+    g = p.add_argument_group("startup plans")
+    g.add_argument("--startup-plan", default=_D["startup_plan"],
+                   choices=["auto", "off", "read", "write", "require"],
+                   help="auto: reuse a matching plan and save new ones; require: fail unless a plan matches")
+    g.add_argument("--plan-free-tolerance", type=parse_bytes, default=None, metavar="BYTES",
+                   help="how much less free memory than the plan recorded is still a hit "
+                        "(default 0 on GPU, 256MiB on CPU)")
+    g = p.add_argument_group("weight cache daemon")
+    g.add_argument("--load-format", default=_D["load_format"], choices=["auto", "disk", "daemon"],
+                   help="auto: attach to a running weight daemon if one serves this model, else load from disk")
+    g.add_argument("--weight-socket", default=None, help="daemon socket (default: discovered in the socket dir)")
+    g.add_argument("--weight-mode", default=_D["weight_mode"], choices=["zero_copy", "copy"],
+                   help="zero_copy maps the daemon's memory; copy copies it and releases the daemon's lease")
+    g.add_argument("--weight-fallback", default="on", choices=["on", "off"],
+                   help="on: load from disk when the daemon is absent or incompatible; off: fail instead")
+
+
+def config_from_args(args: argparse.Namespace, model: str | None = None) -> EngineConfig:
+    kw = dict(model=model if model is not None else args.model, dtype=args.dtype, device=args.device,
+              memory_utilization=args.memory_utilization, kv_cache_memory=args.kv_cache_memory,
+              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+              kv_cache_dtype=args.kv_cache_dtype, compile=args.compile, seed=args.seed,
+              startup_plan=args.startup_plan, plan_free_tolerance=args.plan_free_tolerance,
+              load_format=args.load_format, weight_socket=args.weight_socket, weight_mode=args.weight_mode,
+              weight_fallback=args.weight_fallback == "on")
+    if args.cache_dir:
+        kw["cache_dir"] = args.cache_dir
+    return EngineConfig(**kw)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from warmstart.llm import LLM
+    from warmstart.sampling_params import SamplingParams
+    from warmstart.startup.steps import StepTimer
+    timer = StepTimer.from_process_start()
+    config = config_from_args(args)
+    from warmstart.boot import boot
+    booted = boot(config, timer)
+    llm = LLM.__new__(LLM)
+    llm.booted, llm.tokenizer, llm._next_id = booted, booted.tokenizer, 0
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed_request,
+                            top_p=args.top_p, top_k=args.top_k)
+    if args.chat:
+        out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
+    else:
+        out = llm.generate(args.prompt, params)[0]
+    print(out.text)
+    if args.report:
+        booted.report.write(Path(args.report), outputs=[{"prompt_token_ids": out.prompt_token_ids,
+                                                          "output_token_ids": out.output_token_ids}])
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from warmstart import __version__
+    p = argparse.ArgumentParser(prog="warmstart", description="An LLM inference engine whose edge is the restart: "
+                                "startup plans, a weight cache daemon, and every byte and second measured.")
+    p.add_argument("--version", action="version", version=f"warmstart {__version__}")
+    p.add_argument("-q", "--quiet", action="store_true", help="log warnings only")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    g = sub.add_parser("generate", help="boot, generate for one prompt, print the text")
+    add_engine_args(g)
+    g.add_argument("--prompt", required=True, help="the prompt text")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed-request", type=int, default=None, help="seed for this request's sampling")
+    g.add_argument("--report", default=None, metavar="PATH", help="write the JSON startup report here")
+    g.set_defaults(func=cmd_generate)
+
+    for register in _extensions():
+        register(sub)
+    return p
+
+
+def _extensions():
+    """Subcommands that live beside their features (server, plans, weights, GGUF import)."""
+    regs = []
+    for mod, attr in (("warmstart.server.launch", "register_cli"), ("warmstart.startup.plan_cli", "register_cli"),
+                      ("warmstart.weights.cli", "register_cli"), ("warmstart.weights.gguf_cli", "register_cli")):
+        try:
+            module = __import__(mod, fromlist=[attr])
+        except ModuleNotFoundError as e:
+            if e.name != mod:
+                raise
+            continue
+        regs.append(getattr(module, attr))
+    return regs
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args) or 0
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

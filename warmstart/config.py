@@ -1,0 +1,136 @@
+"""Frozen engine configuration. Validated once in __post_init__; measured facts never come back in here."""
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Literal
+
+from warmstart.errors import UserError
+from warmstart.paths import warmstart_cache_dir
+
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+PlanMode = Literal["auto", "off", "read", "write", "require"]
+LoadFormat = Literal["auto", "disk", "daemon"]
+WeightMode = Literal["zero_copy", "copy"]
+
+# On a GPU the engine owns the card, so it may take 90 %. On a CPU the same RAM hosts everything else on the machine,
+# so the default leaves it usable: 20 % of host RAM (4.7 GiB on a 24 GiB box) for weights, activations and KV.
+DEFAULT_UTILIZATION = {"cuda": 0.9, "cpu": 0.2}
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
+          "tb": 10**12, "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20, "gi": 2**30, "gib": 2**30,
+          "ti": 2**40, "tib": 2**40}
+
+
+def parse_bytes(text: str | int) -> int:
+    """'256MiB' -> 268435456; '2GiB', '1.5G', '4096' also work. SI suffixes are powers of 10, IEC ones of 2."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE.match(str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise UserError(f"Cannot read {text!r} as a byte size. Write a number with an optional suffix, "
+                        "for example 268435456, 256MiB, 2GiB or 1.5GB.")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def format_bytes(n: int | float) -> str:
+    """Human-readable IEC size, for logs and errors."""
+    sign, n = ("-" if n < 0 else ""), abs(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything a boot depends on that the user chooses. Defaults are the CLI's defaults."""
+
+    model: str
+    dtype: Dtype = "auto"
+    device: str = "auto"                      # "auto" picks cuda when torch sees one, else cpu
+    memory_utilization: float | None = None   # fraction of device total; None -> DEFAULT_UTILIZATION[device kind]
+    kv_cache_memory: int | None = None        # explicit KV bytes: wins over utilization, bypasses plans
+    max_model_len: int | None = None          # None -> the model's max_position_embeddings
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512         # tokens per step; also the size of the profiling forward
+    block_size: int = 16
+    kv_cache_dtype: str = "auto"              # "auto" -> the model dtype
+    compile: bool = False
+    cache_dir: Path = field(default_factory=warmstart_cache_dir)
+    seed: int = 0
+    # startup plans
+    startup_plan: PlanMode = "auto"
+    plan_free_tolerance: int | None = None    # bytes of free-memory shortfall a plan tolerates; None -> device default
+    # weight daemon
+    load_format: LoadFormat = "auto"
+    weight_socket: str | None = None
+    weight_mode: WeightMode = "zero_copy"
+    weight_fallback: bool = True
+    draft_model: str | None = None
+    # parallelism (single process today; part of every key so that plans never cross ranks)
+    rank: int = 0
+    world_size: int = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "cache_dir", Path(self.cache_dir).expanduser())
+        _check(self.dtype in ("auto", "float32", "bfloat16", "float16"),
+               f"--dtype {self.dtype!r} is not supported; use auto, float32, bfloat16 or float16.")
+        _check(self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda"),
+               f"--device {self.device!r} is not supported; use auto, cpu or cuda[:N].")
+        if self.memory_utilization is not None:
+            _check(0 < self.memory_utilization <= 1, f"--memory-utilization must be in (0, 1], got "
+                   f"{self.memory_utilization}. It is the fraction of device memory this engine may use.")
+        if self.kv_cache_memory is not None:
+            _check(self.kv_cache_memory > 0, f"--kv-cache-memory must be a positive size such as 256MiB, got "
+                   f"{self.kv_cache_memory}. Leave it out to size the KV cache from --memory-utilization.")
+        if self.max_model_len is not None:
+            _check(self.max_model_len > 0, f"--max-model-len must be positive, got {self.max_model_len}.")
+        _check(self.max_num_seqs > 0, f"--max-num-seqs must be positive, got {self.max_num_seqs}.")
+        _check(self.max_num_batched_tokens > 0,
+               f"--max-num-batched-tokens must be positive, got {self.max_num_batched_tokens}.")
+        _check(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0 and self.block_size <= 1024,
+               f"--block-size must be a power of two up to 1024, got {self.block_size}.")
+        _check(self.kv_cache_dtype in ("auto", "float32", "bfloat16", "float16"),
+               f"--kv-cache-dtype {self.kv_cache_dtype!r} is not supported; use auto, float32, bfloat16 or float16.")
+        _check(self.startup_plan in ("auto", "off", "read", "write", "require"),
+               f"--startup-plan {self.startup_plan!r} is not one of auto, off, read, write, require.")
+        _check(self.load_format in ("auto", "disk", "daemon"),
+               f"--load-format {self.load_format!r} is not one of auto, disk, daemon.")
+        _check(self.weight_mode in ("zero_copy", "copy"),
+               f"--weight-mode {self.weight_mode!r} is not one of zero_copy, copy.")
+        _check(0 <= self.rank < self.world_size, f"rank {self.rank} is outside world size {self.world_size}.")
+
+    @property
+    def device_kind(self) -> str:
+        """'cpu' or 'cuda' — which device family the boot targets ('auto' resolved through torch)."""
+        if self.device != "auto":
+            return self.device.split(":")[0]
+        import torch
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    @property
+    def utilization(self) -> float:
+        """The memory utilization in force: the user's, else the device default."""
+        if self.memory_utilization is not None:
+            return self.memory_utilization
+        return DEFAULT_UTILIZATION[self.device_kind]
+
+    def replace(self, **changes) -> "EngineConfig":
+        """A new config with some fields changed (configs are never mutated)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values.update(changes)
+        return EngineConfig(**values)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["cache_dir"] = str(self.cache_dir)
+        return d
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise UserError(message)

@@ -1,0 +1,159 @@
+"""Engine: add / abort / step. A step is: schedule -> execute -> postprocess."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+from warmstart.engine.block_manager import BlockManager
+from warmstart.engine.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
+from warmstart.engine.sequence import Sequence, Status
+from warmstart.errors import UserError
+from warmstart.runner.batch import Batch, ItemResult
+from warmstart.sampling_params import SamplingParams
+
+
+class Executor(Protocol):
+    def execute(self, batch: Batch) -> list[ItemResult]: ...
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step changed for one request. `seq` is the live sequence (full token ids, text, logprobs)."""
+    request_id: str
+    seq: Sequence
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.seq.finish_reason
+
+
+class Engine:
+    def __init__(self, executor: Executor, limits: SchedulerLimits, num_blocks: int, block_size: int,
+                 vocab_size: int, eos_token_ids: tuple[int, ...] = (),
+                 decode: Callable[[list[int]], str] | None = None):
+        self.executor, self.limits, self.vocab_size = executor, limits, vocab_size
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.scheduler = Scheduler(limits, self.blocks)
+        self.eos_token_ids = set(eos_token_ids)
+        self.decode = decode
+        self._ids = itertools.count()
+        self._by_request: dict[str, Sequence] = {}
+        self._finished_ids: list[int] = []
+        self._sent: dict[int, int] = {}          # seq_id -> characters of output_text already emitted
+
+    # -- requests -------------------------------------------------------------------------------------------
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
+        self.check_prompt(prompt_token_ids)
+        if request_id in self._by_request:
+            raise UserError(f"request id {request_id!r} is already in flight.")
+        seq = Sequence(next(self._ids), request_id, list(prompt_token_ids), params)
+        self._by_request[request_id] = seq
+        self._sent[seq.seq_id] = 0
+        self.scheduler.add(seq)
+        return seq
+
+    def check_prompt(self, prompt_token_ids: list[int]) -> None:
+        n, limit = len(prompt_token_ids), self.limits.max_model_len
+        if n == 0:
+            raise UserError("The prompt is empty; send at least one token.")
+        if n >= limit:
+            raise UserError(f"The prompt is {n} tokens but max_model_len is {limit}, which must also leave room "
+                            f"for at least one generated token. Shorten the prompt or raise --max-model-len.")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise UserError(f"Token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1}).")
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its blocks now. Returns False if it was unknown or already done."""
+        seq = self._by_request.pop(request_id, None)
+        if seq is None or seq.finished:
+            return False
+        self._retire(seq, "abort")
+        self._sent.pop(seq.seq_id, None)
+        return True
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.scheduler.running) + len(self.scheduler.waiting)
+
+    # -- the step -------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        finished_ids, self._finished_ids = self._finished_ids, []
+        if out.empty:
+            if finished_ids:
+                self.executor.execute(Batch([], finished_ids))
+            return []
+        results = self.executor.execute(out.to_batch(finished_ids))
+        return self._postprocess(out, results)
+
+    def _postprocess(self, out: SchedulerOutput, results: list[ItemResult]) -> list[RequestOutput]:
+        outputs = []
+        for sched, res in zip(out.scheduled, results):
+            seq = sched.seq
+            seq.num_computed_tokens += sched.num_tokens
+            if res.prompt_logprobs and len(seq.prompt_logprobs) < seq.num_prompt_tokens - 1:
+                seq.prompt_logprobs.extend(res.prompt_logprobs)   # a recompute after preemption adds nothing twice
+            if res.token_id is None:
+                continue
+            seq.token_ids.append(res.token_id)
+            if res.logprobs is not None:
+                seq.logprobs.append(res.logprobs)
+            reason = self._stop_reason(seq, res.token_id)
+            if reason:
+                self._retire(seq, reason)
+            outputs.append(RequestOutput(seq.request_id, seq, [res.token_id], self._text_delta(seq), seq.finished))
+        return outputs
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            self._update_text(seq, drop_last=True)
+            return "stop"
+        if self._update_text(seq) and p.stop:
+            text = seq.output_text
+            longest = max(len(s) for s in p.stop)
+            since = max(0, self._sent[seq.seq_id] - longest)
+            hits = [i for i in (text.find(s, since) for s in p.stop) if i >= 0]
+            if hits:
+                seq.output_text = text[:min(hits)]
+                return "stop"
+        if len(seq.output_token_ids) >= p.max_tokens or len(seq.token_ids) >= self.limits.max_model_len:
+            return "length"
+        return None
+
+    def _update_text(self, seq: Sequence, drop_last: bool = False) -> bool:
+        if self.decode is None:
+            return False
+        ids = seq.output_token_ids[:-1] if drop_last else seq.output_token_ids
+        seq.output_text = self.decode(ids)
+        return True
+
+    def _text_delta(self, seq: Sequence) -> str:
+        """New text that is safe to show: not a half-decoded character, not a possible start of a stop string."""
+        text = seq.output_text
+        if not seq.finished:
+            text = text.rstrip("\ufffd")
+            if seq.params.stop:
+                text = text[:max(0, len(text) - max(len(s) for s in seq.params.stop) + 1)]
+        sent = self._sent.pop(seq.seq_id, 0) if seq.finished else self._sent.get(seq.seq_id, 0)
+        if len(text) <= sent:
+            return ""
+        if not seq.finished:
+            self._sent[seq.seq_id] = len(text)
+        return text[sent:]
+
+    def _retire(self, seq: Sequence, reason: str) -> None:
+        if seq.status is not Status.FINISHED:
+            self.scheduler.finish(seq, reason)
+            self._finished_ids.append(seq.seq_id)
+        self._by_request.pop(seq.request_id, None)
+

@@ -1,0 +1,64 @@
+"""Offline API: LLM(path).generate(prompts, params) and LLM(path).chat(messages, params), in-process."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from warmstart.boot import Booted, boot
+from warmstart.config import EngineConfig
+from warmstart.runner.batch import TokenLogprobs
+from warmstart.sampling_params import SamplingParams
+from warmstart.startup.steps import StepTimer
+
+
+@dataclass(frozen=True)
+class GenerationOutput:
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    logprobs: list[TokenLogprobs]
+    prompt_logprobs: list[TokenLogprobs]
+
+
+class LLM:
+    """A booted engine in this process. Keyword arguments are EngineConfig fields (dtype, max_model_len, ...)."""
+
+    def __init__(self, model: str, *, timer: StepTimer | None = None, **engine_args):
+        self.booted: Booted = boot(EngineConfig(model=model, **engine_args), timer)
+        self.tokenizer = self.booted.tokenizer
+        self._next_id = 0
+
+    @property
+    def report(self):
+        return self.booted.report
+
+    def generate(self, prompts: str | list[str] | list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[GenerationOutput]:
+        """Prompts are text (tokenized with special tokens) or lists of token ids. Runs them as one batch."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        ids = [p if isinstance(p, list) else self.tokenizer.encode(p) for p in prompts]
+        return self.generate_ids(ids, params)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             params: SamplingParams | list[SamplingParams] | None = None) -> list[GenerationOutput]:
+        """One conversation (a list of {"role", "content"}) or several, formatted with the chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        return self.generate_ids([self.tokenizer.encode_chat(c) for c in conversations], params)
+
+    def generate_ids(self, prompts: list[list[int]],
+                     params: SamplingParams | list[SamplingParams] | None = None) -> list[GenerationOutput]:
+        params = params or SamplingParams()
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        engine = self.booted.engine
+        for ids in prompts:
+            engine.check_prompt(ids)          # all-or-nothing: validate every prompt before queueing any
+        seqs = []
+        for ids, p in zip(prompts, plist):
+            seqs.append(engine.add(f"llm-{self._next_id}", ids, p))
+            self._next_id += 1
+        while engine.has_unfinished:
+            engine.step()
+        engine.step()                         # let the runner drop finished requests' state
+        return [GenerationOutput(s.prompt_token_ids, s.output_token_ids, s.output_text, s.finish_reason,
+                                 list(s.logprobs), list(s.prompt_logprobs)) for s in seqs]

@@ -1,0 +1,1 @@
+"""Model definitions. Imports nothing from runner, engine or server."""

@@ -1,0 +1,84 @@
+"""Building blocks shared by the decoder families: RMSNorm, rotary embedding, gated MLP, and the attention seam."""
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from warmstart.models.spec import RopeSpec
+
+
+class PagedAttention(Protocol):
+    """What a model needs from the runner's attention backend: write K/V of the new tokens into the paged cache,
+    then attend each query over its sequence's whole context. q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H, D]."""
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 like transformers does, so half-precision runs match it.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Non-interleaved (rotate-half) RoPE, as in transformers' Llama/Qwen. cos/sin are computed per call from
+    positions so there is no max-length table to size or to key on."""
+
+    def __init__(self, head_dim: int, spec: RopeSpec):
+        super().__init__()
+        self.head_dim, self.spec = head_dim, spec
+        self.register_buffer("inv_freq", _inv_freq(head_dim, spec), persistent=False)
+
+    def materialize(self, device) -> None:
+        """Recompute the frequencies on device (a meta-built model has none)."""
+        self.inv_freq = _inv_freq(self.head_dim, self.spec).to(device)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]          # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]                   # [T, 1, D]
+        cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _inv_freq(head_dim: int, spec: RopeSpec) -> torch.Tensor:
+    inv = 1.0 / (spec.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if spec.rope_type == "linear":
+        return inv / spec.factor
+    if spec.rope_type == "llama3":
+        low_wavelen = spec.original_max_position / spec.low_freq_factor
+        high_wavelen = spec.original_max_position / spec.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / spec.factor, inv)
+        smooth = (spec.original_max_position / wavelen - spec.low_freq_factor) / (
+            spec.high_freq_factor - spec.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / spec.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    return inv
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden: int, inner: int, bias: bool):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inner, bias=bias)
+        self.up_proj = nn.Linear(hidden, inner, bias=bias)
+        self.down_proj = nn.Linear(inner, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,1 @@
+"""The model runner: binds weights, owns the KV tensors, executes batches. Imports models (never engine/server)."""

@@ -1,0 +1,43 @@
+"""The typed boundary between the engine (pure Python) and the runner (torch). No torch in this module."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from warmstart.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class BatchItem:
+    """One sequence's slice of a step: feed token_ids at positions start..start+len-1 into its blocks."""
+    seq_id: int
+    token_ids: list[int]
+    start: int                     # number of tokens already in the KV cache (= position of token_ids[0])
+    block_table: list[int]
+    sample: bool                   # the slice ends the sequence's known tokens, so a next token is sampled
+    params: SamplingParams
+    prompt_len: int                # for prompt logprobs: positions below prompt_len are prompt tokens
+    next_prompt_token: int | None = None   # the prompt token after this slice, for prompt logprobs of its last row
+
+
+@dataclass(frozen=True)
+class Batch:
+    items: list[BatchItem]
+    finished_seq_ids: list[int] = field(default_factory=list)   # per-request runner state to drop
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(i.token_ids) for i in self.items)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    logprob: float                              # of the chosen/actual token
+    top: list[tuple[int, float]]                # the top N (token id, logprob), best first
+
+
+@dataclass(frozen=True)
+class ItemResult:
+    token_id: int | None                        # None when the item did not sample (a mid-prompt chunk)
+    logprobs: TokenLogprobs | None = None
+    # For prompt_logprobs: one entry per fed token whose successor is a prompt token (the successor's logprob).
+    prompt_logprobs: list[TokenLogprobs] | None = None
