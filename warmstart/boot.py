@@ -24,7 +24,8 @@ from warmstart.startup.ledger import OVERHEAD_QUANTUM, MemoryLedger, round_up
 from warmstart.startup.report import PlanOutcome, StartupReport, WeightsOutcome
 from warmstart.startup.steps import StepTimer
 from warmstart.tokenizer import Tokenizer
-from warmstart.weights.loader import DTYPES, bind_weights, load_tensors, materialize_buffers, weights_nbytes
+from warmstart.weights.loader import DTYPES, bind_weights, materialize_buffers
+from warmstart.weights.source import load_weights
 
 log = logging.getLogger("warmstart")
 
@@ -90,22 +91,21 @@ def boot(config: EngineConfig, timer: StepTimer | None = None) -> Booted:
         # Runtime overhead: what the process holds before any weight arrives (interpreter, torch, tokenizer).
         overhead = round_up(device.process_bytes(), OVERHEAD_QUANTUM) if device.kind == "cpu" else 0
     with timer.step("weights"):
-        tensors = load_tensors(model_dir, dtype, device.torch_device())
+        loaded = load_weights(model_dir, dtype, device.torch_device(), role="target", config=config)
         with torch.device("meta"):
             model = build_model(spec)
-        bind_weights(model, tensors, model.tied_weights())
+        bind_weights(model, loaded.tensors, model.tied_weights())
         materialize_buffers(model, device.torch_device())
         model.eval()
-        weights = weights_nbytes(tensors)
-        del tensors
-        weights_outcome = WeightsOutcome("disk")
+        weights_outcome = WeightsOutcome(loaded.source, loaded.fallback_reason, tuple(loaded.charges.entries()))
         runner = ModelRunner(model, device.torch_device(), kv_dtype)
     with timer.step("memory profile"):
         activation = _profile(runner, device, config, max_model_len)
         if device.kind == "cuda":
             overhead = _cuda_overhead(device, facts, free_at_boot)
         ledger = MemoryLedger.size(
-            budget=int(config.utilization * facts.total_bytes), weights=weights, external=0,
+            budget=int(config.utilization * facts.total_bytes), weights=loaded.owned_bytes,
+            external=loaded.charges.total_bytes,
             activation=activation, overhead=overhead, kv_block_bytes=runner.kv_block_bytes(config.block_size),
             block_size=config.block_size, device=f"{facts.kind}:{facts.name}", total=facts.total_bytes,
             free=free_at_boot, explicit_kv=config.kv_cache_memory)
