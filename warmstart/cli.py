@@ -16,6 +16,14 @@ from warmstart.paths import warmstart_cache_dir
 _D = {f.name: f.default for f in fields(EngineConfig) if f.default is not f.default_factory}
 
 
+def byte_size(text: str) -> int:
+    """argparse type for sizes: argparse reports ArgumentTypeError as a usage error (exit 2), not a traceback."""
+    try:
+        return parse_bytes(text)
+    except UserError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> None:
     if model_required:
         p.add_argument("model", help="a Hugging Face model folder (config.json, *.safetensors, tokenizer.json) "
@@ -28,7 +36,7 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
     g.add_argument("--memory-utilization", type=float, default=None,
                    help=f"fraction of device memory this engine may use (default {DEFAULT_UTILIZATION['cuda']} "
                         f"on GPU, {DEFAULT_UTILIZATION['cpu']} of host RAM on CPU)")
-    g.add_argument("--kv-cache-memory", type=parse_bytes, default=None, metavar="BYTES",
+    g.add_argument("--kv-cache-memory", type=byte_size, default=None, metavar="BYTES",
                    help="explicit KV cache size such as 256MiB or 2GiB; wins over --memory-utilization and "
                         "neither reads nor writes startup plans")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
@@ -51,7 +59,7 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
     g.add_argument("--startup-plan", default=_D["startup_plan"],
                    choices=["auto", "off", "read", "write", "require"],
                    help="auto: reuse a matching plan and save new ones; require: fail unless a plan matches")
-    g.add_argument("--plan-free-tolerance", type=parse_bytes, default=None, metavar="BYTES",
+    g.add_argument("--plan-free-tolerance", type=byte_size, default=None, metavar="BYTES",
                    help="how much less free memory than the plan recorded is still a hit "
                         "(default 0 on GPU, 256MiB on CPU)")
     g = p.add_argument_group("weight cache daemon")
