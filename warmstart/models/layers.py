@@ -38,7 +38,9 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, spec: RopeSpec):
         super().__init__()
         self.head_dim, self.spec = head_dim, spec
-        self.register_buffer("inv_freq", _inv_freq(head_dim, spec), persistent=False)
+        # Computed on CPU even when the model is built on meta: math on meta tensors imports torch._dynamo.
+        with torch.device("cpu"):
+            self.register_buffer("inv_freq", _inv_freq(head_dim, spec), persistent=False)
 
     def materialize(self, device) -> None:
         """Recompute the frequencies on device (a meta-built model has none)."""

@@ -1,6 +1,8 @@
 """ModelRunner: owns the bound model and the KV tensor, turns a Batch into one forward pass and sampled tokens."""
 from __future__ import annotations
 
+import mmap
+
 import torch
 from torch import nn
 
@@ -24,10 +26,18 @@ class ModelRunner:
         return self.spec.kv_bytes_per_token * block_size * torch.empty((), dtype=self.kv_dtype).element_size()
 
     def allocate_kv(self, num_blocks: int, block_size: int) -> int:
-        """Allocate and touch the whole KV cache (so the pages are really ours), returning its bytes."""
+        """Allocate the zeroed KV cache, returning its bytes. On CPU it is an anonymous mapping: the kernel hands
+        out zero pages on first touch, so a 4 GiB cache costs microseconds at boot instead of seconds of memset
+        (torch.zeros writes every page). The ledger has reserved the bytes either way. Zeros matter: padded
+        decode reads masked slots, and 0 x garbage could be NaN."""
         s = self.spec
-        self.kv = torch.zeros(2, s.num_layers, num_blocks, block_size, s.num_kv_heads, s.head_dim,
-                              dtype=self.kv_dtype, device=self.device)
+        shape = (2, s.num_layers, num_blocks, block_size, s.num_kv_heads, s.head_dim)
+        if self.device.type == "cpu":
+            nbytes = self.kv_block_bytes(block_size) * num_blocks
+            self._kv_mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            self.kv = torch.frombuffer(self._kv_mapping, dtype=self.kv_dtype).view(shape)
+        else:
+            self.kv = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         self.block_size = block_size
         return self.kv.numel() * self.kv.element_size()
 
