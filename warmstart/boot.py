@@ -4,7 +4,6 @@ Each stage is a named, timed step (startup/steps.py). Measured facts come out as
 MemoryLedger, StartupReport); the EngineConfig that went in is never changed."""
 from __future__ import annotations
 
-import gc
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,9 +18,12 @@ from warmstart.models.registry import build_model
 from warmstart.models.spec import ModelSpec
 from warmstart.runner.runner import ModelRunner
 from warmstart.sampling_params import SamplingParams
-from warmstart.startup.device import Device, DeviceFacts, get_device
+from warmstart.keys import compile_key, plan_key
+from warmstart.planning import MemoryPlanner
+from warmstart.startup.device import DeviceFacts, get_device
 from warmstart.startup.ledger import OVERHEAD_QUANTUM, MemoryLedger, round_up
-from warmstart.startup.report import PlanOutcome, StartupReport, WeightsOutcome
+from warmstart.startup.plan import PlanStore
+from warmstart.startup.report import StartupReport, WeightsOutcome
 from warmstart.startup.steps import StepTimer
 from warmstart.tokenizer import Tokenizer
 from warmstart.weights.loader import DTYPES, bind_weights, materialize_buffers
@@ -86,6 +88,9 @@ def boot(config: EngineConfig, timer: StepTimer | None = None) -> Booted:
         kv_dtype = dtype if config.kv_cache_dtype == "auto" else DTYPES[config.kv_cache_dtype]
         max_model_len = _max_model_len(config, spec)
         torch.manual_seed(config.seed)
+        # The plan key is built here, from the user's config and device facts, before anything is derived.
+        planner = MemoryPlanner(config, device, facts, plan_key(config, model_dir, spec, facts),
+                                PlanStore(config.cache_dir / "plans"), free_at_boot)
     with timer.step("tokenizer"):
         tokenizer = Tokenizer(model_dir)
         # Runtime overhead: what the process holds before any weight arrives (interpreter, torch, tokenizer).
@@ -99,17 +104,12 @@ def boot(config: EngineConfig, timer: StepTimer | None = None) -> Booted:
         model.eval()
         weights_outcome = WeightsOutcome(loaded.source, loaded.fallback_reason, tuple(loaded.charges.entries()))
         runner = ModelRunner(model, device.torch_device(), kv_dtype)
+        compile_info = None
+        if config.compile:
+            from warmstart.runner.compile import compile_model
+            compile_info = compile_model(model, config.cache_dir / "compile" / compile_key(config, spec, facts))
     with timer.step("memory profile"):
-        activation = _profile(runner, device, config, max_model_len)
-        if device.kind == "cuda":
-            overhead = _cuda_overhead(device, facts, free_at_boot)
-        ledger = MemoryLedger.size(
-            budget=int(config.utilization * facts.total_bytes), weights=loaded.owned_bytes,
-            external=loaded.charges.total_bytes,
-            activation=activation, overhead=overhead, kv_block_bytes=runner.kv_block_bytes(config.block_size),
-            block_size=config.block_size, device=f"{facts.kind}:{facts.name}", total=facts.total_bytes,
-            free=free_at_boot, explicit_kv=config.kv_cache_memory)
-        plan = PlanOutcome("bypassed" if config.kv_cache_memory is not None else "off")
+        ledger = planner.plan(runner, loaded.owned_bytes, loaded.charges.total_bytes, overhead, max_model_len)
     with timer.step("kv allocation"):
         _check_fits(ledger, max_model_len, config)
         runner.allocate_kv(ledger.num_kv_blocks, ledger.block_size)
@@ -118,8 +118,10 @@ def boot(config: EngineConfig, timer: StepTimer | None = None) -> Booted:
     with timer.step("warm-up"):
         _warm_up(engine)
     with timer.step("ready"):
+        plan = planner.finish(runner, ledger, max_model_len)
         log.info("%s", ledger.table())
-    report = StartupReport(timer.wall_seconds, timer.to_list(), plan, ledger, weights_outcome)
+    report = StartupReport(timer.wall_seconds, timer.to_list(), plan, ledger, weights_outcome,
+                           extra={"compile": compile_info.snapshot()} if compile_info else {})
     log.info("startup steps:\n%s", timer.table())
     return Booted(config, model_dir, spec, tokenizer, runner, engine, ledger, report, max_model_len)
 
@@ -135,21 +137,6 @@ def _max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
         raise UserError(f"--max-model-len {config.max_model_len} exceeds the model's "
                         f"max_position_embeddings ({spec.max_position_embeddings}). Lower it.")
     return config.max_model_len
-
-
-def _profile(runner: ModelRunner, device: Device, config: EngineConfig, max_model_len: int) -> int:
-    """Peak bytes a worst-case step allocates above the weights: one forward of max_num_batched_tokens."""
-    gc.collect()
-    with device.track_peak() as peak:
-        runner.profile_forward(config.max_num_batched_tokens, max_model_len, config.max_num_seqs)
-    gc.collect()
-    return int(peak["peak_bytes"])
-
-
-def _cuda_overhead(device: Device, facts: DeviceFacts, free_at_boot: int) -> int:
-    """Non-torch GPU memory this boot added (CUDA context, library workspaces), from cudaMemGetInfo."""
-    used_since_boot = free_at_boot - device.free_bytes()
-    return round_up(max(0, used_since_boot - torch.cuda.memory_reserved(facts.index)), OVERHEAD_QUANTUM)
 
 
 def _check_fits(ledger: MemoryLedger, max_model_len: int, config: EngineConfig) -> None:

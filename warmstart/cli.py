@@ -139,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _extensions():
     """Subcommands that live beside their features (server, plans, weights, GGUF import)."""
     regs = []
-    for mod, attr in (("warmstart.server.launch", "register_cli"), ("warmstart.startup.plan_cli", "register_cli"),
+    for mod, attr in (("warmstart.server.launch", "register_cli"), ("warmstart.plan_cli", "register_cli"),
                       ("warmstart.weights.cli", "register_cli"), ("warmstart.weights.gguf_cli", "register_cli")):
         try:
             module = __import__(mod, fromlist=[attr])

@@ -15,7 +15,8 @@ class ExternalCharges:
     def charge(self, socket: str, role: str, nbytes: int) -> bool:
         """Record a daemon's bytes. Returns False (and records nothing) if this socket is already charged,
         under any role: the daemon's memory exists once however many roles map to it."""
-        if nbytes < 0 or isinstance(nbytes, bool) or not isinstance(nbytes, int):
+        # Type first: comparing a str or None with 0 would raise TypeError instead of this ValueError.
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
             raise ValueError(f"charge must be a non-negative int, got {nbytes!r}")
         if any(s == socket for s, _ in self._by_source):
             return False

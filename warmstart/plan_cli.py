@@ -1,0 +1,109 @@
+"""`warmstart plan list | show KEY | explain MODEL [engine flags] | clear [KEY|--all]`."""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from warmstart.config import format_bytes
+from warmstart.errors import UserError
+from warmstart.paths import warmstart_cache_dir
+from warmstart.startup.plan import PlanStore
+
+
+def _store(args) -> PlanStore:
+    return PlanStore(Path(args.cache_dir or warmstart_cache_dir()) / "plans")
+
+
+def cmd_list(args) -> int:
+    docs = _store(args).list()
+    if not docs:
+        print(f"no startup plans under {_store(args).root}")
+        return 0
+    print(f"{'key':<32}  {'created':<19}  {'util':>5}  {'kv blocks':>9}  {'kv bytes':>11}  model")
+    for d in docs:
+        k, led = d["key"], d["ledger"]
+        files = ",".join(w["file"] for w in k.get("model.weights", []))
+        print(f"{d['digest']:<32}  {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(d.get('created', 0)))}  "
+              f"{k.get('memory_utilization', '?'):>5}  {led['num_kv_blocks']:>9}  "
+              f"{format_bytes(led['kv_cache_bytes']):>11}  {k.get('model.architecture')} ({files})")
+    return 0
+
+
+def _find(store: PlanStore, prefix: str) -> Path:
+    matches = [p for p in store.root.glob(f"{prefix}*.json")] if store.root.is_dir() else []
+    if len(matches) != 1:
+        raise UserError(f"{'No' if not matches else 'More than one'} plan matches {prefix!r} under {store.root}. "
+                        "Run `warmstart plan list` for the keys.")
+    return matches[0]
+
+
+def cmd_show(args) -> int:
+    print(_find(_store(args), args.key).read_text(), end="")
+    return 0
+
+
+def cmd_clear(args) -> int:
+    store = _store(args)
+    if not args.all and not args.key:
+        raise UserError("Say which plan to clear (a key or key prefix from `warmstart plan list`), or --all.")
+    n = store.remove(None if args.all else _find(store, args.key).stem)
+    print(f"removed {n} plan(s) from {store.root}")
+    return 0
+
+
+def cmd_explain(args) -> int:
+    """Answer 'would a boot with these flags reuse a plan?' without loading weights or running the model."""
+    from warmstart.boot import resolve_model_dir
+    from warmstart.cli import config_from_args
+    from warmstart.keys import plan_key
+    from warmstart.models.spec import ModelSpec
+    from warmstart.planning import MemoryPlanner
+    from warmstart.startup.device import get_device
+    config = config_from_args(args)
+    if config.kv_cache_memory is not None:
+        print("bypassed: --kv-cache-memory is explicit, so plans are neither read nor written")
+        return 0
+    if config.startup_plan in ("off", "write"):
+        print(f"no read: --startup-plan {config.startup_plan} never reuses a plan")
+        return 0
+    model_dir = resolve_model_dir(config.model, config.cache_dir)
+    spec = ModelSpec.from_dir(model_dir)
+    device = get_device(config.device_kind)
+    facts = device.facts()
+    key = plan_key(config, model_dir, spec, facts)
+    planner = MemoryPlanner(config, device, facts, key, PlanStore(config.cache_dir / "plans"), device.free_bytes())
+    found = planner.store.lookup(key, planner.free_at_boot, planner.tolerance)
+    if found.plan is not None:
+        led = found.plan.ledger
+        print(f"hit: {found.path}\n  {led.num_kv_blocks} KV blocks ({format_bytes(led.kv_cache_bytes)}); "
+              f"free now {format_bytes(planner.free_at_boot)} >= recorded {format_bytes(led.free_bytes_at_boot)} "
+              f"- tolerance {format_bytes(planner.tolerance)}")
+        return 0
+    print(f"miss: {found.path}")
+    for r in found.reasons:
+        print(f"  {r}")
+    return 0
+
+
+def register_cli(sub) -> None:
+    p = sub.add_parser("plan", help="inspect, explain and clear startup plans",
+                       description="Startup plans store a profiled boot's memory ledger under a key of everything "
+                                   "the KV size depends on. These commands read them; none boots the engine.")
+    ps = p.add_subparsers(dest="plan_command", required=True, metavar="ACTION")
+    for name, fn, helptext in (("list", cmd_list, "one line per saved plan"),
+                               ("show", cmd_show, "print one plan (key components and ledger)"),
+                               ("clear", cmd_clear, "delete one plan, or all with --all")):
+        q = ps.add_parser(name, help=helptext)
+        q.add_argument("--cache-dir", default=None, help="cache root (default $WARMSTART_CACHE_DIR or "
+                                                         "~/.cache/warmstart)")
+        if name in ("show", "clear"):
+            q.add_argument("key", nargs="?" if name == "clear" else None, help="plan key or a unique prefix")
+        if name == "clear":
+            q.add_argument("--all", action="store_true", help="delete every plan")
+        q.set_defaults(func=fn)
+    from warmstart.cli import add_engine_args
+    q = ps.add_parser("explain", help="would a boot with these flags hit a plan? if not, why")
+    add_engine_args(q)
+    q.set_defaults(func=cmd_explain)

@@ -1,0 +1,174 @@
+"""Memory planning for one boot: reuse a startup plan, or profile and (maybe) save one.
+
+Modes (--startup-plan): auto = read + write; read; write (always profile, then save); require (a miss is an error);
+off. An explicit --kv-cache-memory bypasses plans entirely: nothing is read and nothing is written."""
+from __future__ import annotations
+
+import gc
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from warmstart.config import EngineConfig, format_bytes
+from warmstart.errors import UserError
+from warmstart.runner.runner import ModelRunner
+from warmstart.startup.device import Device, DeviceFacts
+from warmstart.startup.ledger import OVERHEAD_QUANTUM, MemoryLedger, round_up
+from warmstart.startup.plan import PlanKey, PlanStore
+from warmstart.startup.report import PlanOutcome
+
+log = logging.getLogger("warmstart.plan")
+
+# A hit boot's measured resident memory may differ from the ledger's prediction by this much before the plan is
+# considered stale: malloc arenas and page-cache residency move by tens of MiB between identical boots.
+DRIFT_MARGIN = 256 * 2**20
+DRIFT_FRACTION = 0.10
+
+
+@dataclass
+class MemoryPlanner:
+    config: EngineConfig
+    device: Device
+    facts: DeviceFacts
+    key: PlanKey
+    store: PlanStore
+    free_at_boot: int
+    status: str = "off"
+    reasons: list[str] = field(default_factory=list)
+    saved: bool = False
+    hit_ledger: MemoryLedger | None = None
+
+    @property
+    def reads(self) -> bool:
+        return self.config.kv_cache_memory is None and self.config.startup_plan in ("auto", "read", "require")
+
+    @property
+    def writes(self) -> bool:
+        return self.config.kv_cache_memory is None and self.config.startup_plan in ("auto", "write")
+
+    @property
+    def tolerance(self) -> int:
+        t = self.config.plan_free_tolerance
+        return self.device.default_plan_tolerance if t is None else t
+
+    def plan(self, runner: ModelRunner, weights: int, external: int, overhead: int, max_model_len: int) -> MemoryLedger:
+        """The ledger for this boot: from a matching plan (no profiling forward) or from measurement."""
+        if self.config.kv_cache_memory is not None:
+            self.status = "bypassed"
+        elif self.reads:
+            ledger = self._try_hit(runner, weights, external)
+            if ledger is not None:
+                return ledger
+        elif self.writes:
+            self.status = "miss"
+            self.reasons.append(f"--startup-plan {self.config.startup_plan}: plans are not read")
+        return self._profile(runner, weights, external, overhead, max_model_len)
+
+    def _try_hit(self, runner: ModelRunner, weights: int, external: int) -> MemoryLedger | None:
+        found = self.store.lookup(self.key, self.free_at_boot, self.tolerance)
+        self.status = "miss"
+        if found.plan is not None:
+            old = found.plan.ledger
+            ledger = self._size(runner, weights, external, old.activation_peak_bytes, old.runtime_overhead_bytes,
+                                budget=old.budget_bytes)
+            if weights + external != old.weights_bytes + old.external_weights_bytes:
+                self.reasons.append(f"weight bytes {old.weights_bytes + old.external_weights_bytes} -> "
+                                    f"{weights + external}")
+            elif ledger.num_kv_blocks != old.num_kv_blocks:
+                self.reasons.append(f"num_kv_blocks {old.num_kv_blocks} -> {ledger.num_kv_blocks}")
+            else:
+                self.status, self.hit_ledger = "hit", old
+                log.info("startup plan hit: %s (%d KV blocks, profiling skipped)", found.path, ledger.num_kv_blocks)
+                return ledger
+        else:
+            self.reasons.extend(found.reasons)
+        log.info("startup plan miss (%s): %s", found.path.name, "; ".join(self.reasons))
+        if self.config.startup_plan == "require":
+            raise UserError(f"--startup-plan require: no usable plan for this configuration "
+                            f"({'; '.join(self.reasons)}). Boot once with --startup-plan auto or write to make "
+                            "one, or drop require.")
+        return None
+
+    def _profile(self, runner, weights, external, overhead, max_model_len) -> MemoryLedger:
+        activation = measure_activation_peak(runner, self.device, self.config, max_model_len)
+        if self.device.kind == "cuda":
+            overhead = cuda_overhead(self.device, self.facts, self.free_at_boot)
+        return self._size(runner, weights, external, activation, overhead)
+
+    def _size(self, runner, weights, external, activation, overhead, budget=None) -> MemoryLedger:
+        return MemoryLedger.size(
+            budget=budget if budget is not None else int(self.config.utilization * self.facts.total_bytes),
+            weights=weights, external=external, activation=activation, overhead=overhead,
+            kv_block_bytes=runner.kv_block_bytes(self.config.block_size), block_size=self.config.block_size,
+            device=f"{self.facts.kind}:{self.facts.name}", total=self.facts.total_bytes, free=self.free_at_boot,
+            explicit_kv=self.config.kv_cache_memory)
+
+    def finish(self, runner: ModelRunner, ledger: MemoryLedger, max_model_len: int) -> PlanOutcome:
+        """After KV allocation and warm-up: verify a hit against measured memory (replacing a stale plan), or
+        save a profiled boot's ledger. Plan I/O never fails a boot."""
+        path = self.store.path_for(self.key)
+        if self.status == "hit":
+            drift = self._drift(ledger)
+            if drift and self.writes:
+                self.reasons.append(f"ledger drift: {drift}; plan re-measured and replaced")
+                log.warning("startup plan %s no longer matches this process: %s; re-measuring", path.name, drift)
+                fresh = self._remeasure(runner, ledger, max_model_len)
+                self._save(fresh)
+            elif drift:
+                self.reasons.append(f"ledger drift: {drift}")
+                log.warning("startup plan %s no longer matches this process: %s", path.name, drift)
+        elif self.writes and self.status in ("miss", "off"):
+            self.status = "miss"
+            self._save(ledger)
+        return PlanOutcome(self.status, self.saved, tuple(self.reasons),
+                           str(path) if self.status != "bypassed" and self.config.startup_plan != "off" else None)
+
+    def _save(self, ledger: MemoryLedger) -> None:
+        try:
+            path = self.store.save(self.key, ledger)
+            self.saved = True
+            log.info("startup plan saved: %s", path)
+        except OSError as e:
+            log.warning("could not save startup plan under %s: %s", self.store.root, e)
+
+    def _drift(self, ledger: MemoryLedger) -> str | None:
+        measured, expected = resident_bytes(self.device, ledger)
+        margin = max(DRIFT_MARGIN, int(DRIFT_FRACTION * expected))
+        if expected - margin <= measured <= expected + ledger.activation_peak_bytes + margin:
+            return None
+        return (f"resident {format_bytes(measured)} vs ledger {format_bytes(expected)} "
+                f"(margin {format_bytes(margin)})")
+
+    def _remeasure(self, runner: ModelRunner, ledger: MemoryLedger, max_model_len: int) -> MemoryLedger:
+        measured, _ = resident_bytes(self.device, ledger)
+        activation = measure_activation_peak(runner, self.device, self.config, max_model_len)
+        weights = ledger.weights_bytes + (ledger.external_weights_bytes if self.device.kind == "cpu" else 0)
+        kv_resident = ledger.kv_cache_bytes if self.device.kind == "cuda" else 0
+        overhead = round_up(max(0, measured - weights - kv_resident), OVERHEAD_QUANTUM)
+        return self._size(runner, ledger.weights_bytes, ledger.external_weights_bytes, activation, overhead)
+
+
+def resident_bytes(device: Device, ledger: MemoryLedger) -> tuple[int, int]:
+    """(measured, expected) bytes resident in this process after warm-up. CPU: RSS, expected to hold the runtime
+    overhead and every weight page (warm-up touched them; daemon pages are mapped here too) but not the lazily
+    zeroed KV. CUDA: the caching allocator's reservation, expected to hold weights and the whole KV."""
+    if device.kind == "cpu":
+        return device.process_bytes(), (ledger.runtime_overhead_bytes + ledger.weights_bytes +
+                                         ledger.external_weights_bytes)
+    return device.process_bytes(), ledger.weights_bytes + ledger.kv_cache_bytes
+
+
+def measure_activation_peak(runner: ModelRunner, device: Device, config: EngineConfig, max_model_len: int) -> int:
+    """Peak bytes a worst-case step allocates above the weights: one forward of max_num_batched_tokens."""
+    gc.collect()
+    with device.track_peak() as peak:
+        runner.profile_forward(config.max_num_batched_tokens, max_model_len, config.max_num_seqs)
+    gc.collect()
+    return int(peak["peak_bytes"])
+
+
+def cuda_overhead(device: Device, facts: DeviceFacts, free_at_boot: int) -> int:
+    """Non-torch GPU memory this boot added (CUDA context, library workspaces), from cudaMemGetInfo."""
+    used_since_boot = free_at_boot - device.free_bytes()
+    return round_up(max(0, used_since_boot - torch.cuda.memory_reserved(facts.index)), OVERHEAD_QUANTUM)

@@ -1,0 +1,144 @@
+"""`warmstart serve`: the HTTP server first, the engine behind a ready barrier.
+
+Threads: the main thread runs uvicorn's event loop (HTTP, SSE, signals). A boot thread runs boot() so /health
+answers from the first second; when it finishes it starts the engine thread (async_engine.py) and flips the app to
+ready on the loop. A boot UserError prints one paragraph and exits 2. SIGTERM/SIGINT: uvicorn stops accepting,
+in-flight requests get --shutdown-timeout seconds to finish and are then cancelled (which aborts their engine
+requests), then the engine thread aborts whatever is left, frees its blocks and stops; the process exits 0."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from warmstart.errors import UserError
+
+log = logging.getLogger("warmstart.server")
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def register_cli(subparsers) -> None:
+    from warmstart.cli import add_engine_args
+    p = subparsers.add_parser("serve", help="boot and serve the OpenAI-compatible HTTP API",
+                              description="Serve MODEL over an OpenAI-compatible HTTP API (/v1/chat/completions, "
+                                          "/v1/completions, /v1/models) plus /health, /ready, /startup, /metrics.")
+    p.add_argument("model", nargs="?", default="default",
+                   help="a Hugging Face model folder or a .gguf file (default: the bundled SmolLM2-135M-Instruct)")
+    add_engine_args(p, model_required=False)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    g.add_argument("--served-model-name", default=None,
+                   help=f"the model id clients send (default: the model folder's name, {DEFAULT_MODEL_NAME} for "
+                        "the default model)")
+    g.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="on SIGTERM, how long in-flight requests may run before they are aborted (default 10)")
+    g.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    p.set_defaults(func=cmd_serve)
+
+
+def served_model_name(model: str) -> str:
+    if model in ("", "default"):
+        return DEFAULT_MODEL_NAME
+    path = Path(model).expanduser()
+    return path.stem if path.suffix == ".gguf" else (path.resolve().name or model)
+
+
+class _Launch:
+    """The boot thread and the engine it leaves behind, owned by the serve command."""
+
+    def __init__(self, config, timer, state, server_ref: list):
+        self.config, self.timer, self.state, self.server_ref = config, timer, state, server_ref
+        self.engine = None
+        self.exit_code = 0
+        self.stopping = threading.Event()
+        self._lock = threading.Lock()
+
+    def on_startup(self, loop: asyncio.AbstractEventLoop) -> None:
+        threading.Thread(target=self._boot, args=(loop,), name="warmstart-boot", daemon=True).start()
+
+    def _boot(self, loop: asyncio.AbstractEventLoop) -> None:
+        from warmstart.boot import boot
+        from warmstart.server.async_engine import AsyncEngine
+        from warmstart.server.serving import ServingContext
+        try:
+            booted = boot(self.config, self.timer)
+        except UserError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            self._fail(2)
+            return
+        except BaseException:
+            log.exception("boot failed")
+            self._fail(1)
+            return
+        with self._lock:
+            if self.stopping.is_set():
+                return
+            self.engine = AsyncEngine(booted.engine, loop, on_step=self.state.metrics.on_step)
+        serving = ServingContext(booted, self.engine, self.state.model_name, self.state.metrics)
+        loop.call_soon_threadsafe(self._ready, serving)
+
+    def _ready(self, serving) -> None:
+        self.state.set_ready(serving)
+        server = self.server_ref[0]
+        host, port = server.config.host, server.config.port
+        url_host = f"[{host}]" if ":" in host else host
+        msg = (f"warmstart ready on http://{url_host}:{port} (model {self.state.model_name!r}, "
+               f"startup {serving.booted.report.wall_seconds:.2f} s)")
+        log.info("%s", msg)
+        print(msg, flush=True)
+
+    def _fail(self, code: int) -> None:
+        self.exit_code = code
+        self.server_ref[0].should_exit = True
+
+    def on_shutdown(self) -> None:
+        with self._lock:
+            self.stopping.set()
+            engine = self.engine
+        if engine is not None:
+            engine.shutdown()
+            log.info("engine stopped; KV blocks in use: %d", engine.engine.blocks.num_used)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from warmstart.cli import config_from_args
+    from warmstart.server.api import ServerState, create_app
+    from warmstart.startup.steps import StepTimer
+
+    timer = StepTimer.from_process_start()
+    config = config_from_args(args)
+    state = ServerState(args.served_model_name or served_model_name(args.model))
+    server_ref: list = []
+    launch = _Launch(config, timer, state, server_ref)
+    app = create_app(state, on_startup=launch.on_startup, on_shutdown=launch.on_shutdown)
+    uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, access_log=args.access_log,
+                               timeout_graceful_shutdown=args.shutdown_timeout, lifespan="on")
+    server = uvicorn.Server(uv_config)
+    server_ref.append(server)
+    log.info("serving %s as %r on http://%s:%d; /health answers now, /ready once the engine has booted",
+             args.model, state.model_name, args.host, args.port)
+    # uvicorn re-raises the signal that stopped it once it has shut down; with the default handlers that would
+    # turn a graceful SIGTERM into death by signal. These handlers make it a normal exit instead.
+    previous = {sig: signal.signal(sig, _note_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    # Everything is released by now. Interpreter teardown would spend seconds garbage-collecting torch's and the
+    # web stack's object graphs; frozen objects are skipped by those collections, so SIGTERM -> exit stays fast.
+    gc.freeze()
+    return launch.exit_code
+
+
+def _note_signal(signum: int, frame) -> None:
+    log.info("received %s after shutdown", signal.Signals(signum).name)

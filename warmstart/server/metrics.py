@@ -1,0 +1,90 @@
+"""Prometheus metrics on the server's own registry (never the global one, so two apps in a process never collide).
+
+Request counts and latencies, tokens, KV usage, and the boot: startup step durations, plan status and weight
+source. The engine thread updates the engine gauges after each step; everything else is updated on the loop."""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+if TYPE_CHECKING:
+    from warmstart.engine.engine import Engine, RequestOutput
+    from warmstart.startup.report import StartupReport
+
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/ready", "/startup", "/metrics")
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class Metrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.http_requests = Counter("warmstart_http_requests", "HTTP requests by route and status code",
+                                     ["route", "status"], registry=r)
+        self.request_latency = Histogram("warmstart_request_latency_seconds",
+                                         "Generation requests, arrival to last byte", ["route"],
+                                         buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("warmstart_time_to_first_token_seconds", "Arrival to the first generated token",
+                              ["route"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.requests_finished = Counter("warmstart_requests_finished", "Generation requests by outcome",
+                                         ["route", "outcome"], registry=r)
+        self.prompt_tokens = Counter("warmstart_prompt_tokens", "Prompt tokens of accepted requests", registry=r)
+        self.generation_tokens = Counter("warmstart_generation_tokens", "Tokens generated", registry=r)
+        self.kv_blocks_used = Gauge("warmstart_kv_blocks_used", "KV cache blocks in use", registry=r)
+        self.kv_blocks_total = Gauge("warmstart_kv_blocks_total", "KV cache blocks allocated at boot", registry=r)
+        self.kv_usage = Gauge("warmstart_kv_usage_ratio", "KV cache blocks in use / allocated", registry=r)
+        self.running = Gauge("warmstart_requests_running", "Sequences being decoded or prefilled", registry=r)
+        self.waiting = Gauge("warmstart_requests_waiting", "Sequences queued for admission", registry=r)
+        self.ready = Gauge("warmstart_ready", "1 once boot has finished and requests are served", registry=r)
+        self.startup_seconds = Gauge("warmstart_startup_seconds", "Process start to ready", registry=r)
+        self.startup_step = Gauge("warmstart_startup_step_seconds", "Duration of each boot step", ["step"],
+                                  registry=r)
+        self.plan_status = Gauge("warmstart_startup_plan", "1 for this boot's startup plan status", ["status"],
+                                 registry=r)
+        self.weights_source = Gauge("warmstart_weights_source", "1 for where this boot's weights came from",
+                                    ["source"], registry=r)
+        self.kv_cache_bytes = Gauge("warmstart_kv_cache_bytes", "KV cache bytes allocated at boot", registry=r)
+
+    def record_boot(self, report: "StartupReport", num_blocks: int) -> None:
+        self.startup_seconds.set(report.wall_seconds)
+        for step in report.steps:
+            self.startup_step.labels(step=step["name"]).set(step["seconds"])
+        self.plan_status.labels(status=report.plan.status).set(1)
+        self.weights_source.labels(source=report.weights.source).set(1)
+        self.kv_blocks_total.set(num_blocks)
+        self.kv_cache_bytes.set(report.memory.kv_cache_bytes)
+        self.ready.set(1)
+
+    def on_step(self, engine: "Engine", outputs: list["RequestOutput"]) -> None:
+        """Called on the engine thread after every step (prometheus_client metrics are thread-safe)."""
+        used, total = engine.blocks.num_used, engine.blocks.num_blocks
+        self.kv_blocks_used.set(used)
+        self.kv_usage.set(used / total if total else 0.0)
+        self.running.set(len(engine.scheduler.running))
+        self.waiting.set(len(engine.scheduler.waiting))
+        if outputs:
+            self.generation_tokens.inc(sum(len(o.new_token_ids) for o in outputs))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Latency, time to first token and outcome of one generation request."""
+
+    def __init__(self, metrics: Metrics, route: str):
+        self.metrics, self.route = metrics, route
+        self.start = time.perf_counter()
+        self._first = False
+
+    def token(self) -> None:
+        if not self._first:
+            self._first = True
+            self.metrics.ttft.labels(route=self.route).observe(time.perf_counter() - self.start)
+
+    def done(self, outcome: str) -> None:
+        self.metrics.request_latency.labels(route=self.route).observe(time.perf_counter() - self.start)
+        self.metrics.requests_finished.labels(route=self.route, outcome=outcome).inc()

@@ -1,0 +1,193 @@
+"""The OpenAI request schemas and error shape. Requests are validated strictly (no "1" for 1, no true for 1), so a
+wrong type is a 400 that names the field, never a silent coercion."""
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+MAX_N = 64                     # choices per request; each is one engine sequence
+MAX_STOP = 16                  # stop strings per request
+
+
+class APIError(Exception):
+    """An error that becomes an OpenAI-shaped JSON response: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+def not_ready() -> APIError:
+    return APIError(503, "The engine is still starting; retry when GET /ready answers 200.", "service_unavailable",
+                    code="not_ready")
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        # Many clients send every field, null meaning "default"; treat it so instead of as a type error.
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _Sampling(_Request):
+    """Fields both generation routes share, plus the vLLM-style extras the engine supports (top_k, min_p, ...)."""
+    model: str
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # extras (not in OpenAI's API; the openai client sends them through extra_body)
+    top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0, le=1)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+
+    def stop_strings(self) -> tuple[str, ...]:
+        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if len(stops) > MAX_STOP:
+            raise bad_request(f"At most {MAX_STOP} stop strings are supported, got {len(stops)}.", "stop")
+        if any(not s for s in stops):
+            raise bad_request("Stop strings must not be empty.", "stop")
+        return stops
+
+    def check_unsupported(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise bad_request(f"{name} is not supported by this server; send 0 or leave it out.", name)
+        if self.logit_bias:
+            raise bad_request("logit_bias is not supported by this server.", "logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed when stream is true.", "stream_options")
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "\n".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.tools:
+            raise bad_request("tools are not supported by this server.", "tools")
+        if self.response_format and self.response_format.get("type") != "text":
+            raise bad_request("Only response_format {\"type\": \"text\"} is supported.", "response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs")
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(_Sampling):
+    prompt: Prompt
+    max_tokens: int | None = Field(None, ge=0)        # 0 is allowed with echo: scoring a prompt, generating nothing
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.suffix:
+            raise bad_request("suffix is not supported by this server.", "suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad_request("best_of other than n is not supported by this server.", "best_of")
+        if self.max_tokens == 0 and not self.echo:
+            raise bad_request("max_tokens must be at least 1 (0 is allowed only with echo, to score a prompt).",
+                              "max_tokens")
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise bad_request("prompt must not be an empty list.", "prompt")
+        if isinstance(p[0], int):
+            return [list(p)]
+        for item in p:
+            if isinstance(item, list) and not item:
+                raise bad_request("prompt must not contain an empty token list.", "prompt")
+        return list(p)
+
+
+def parse(model: type[_Request], raw: bytes) -> Any:
+    """JSON bytes -> a validated request, or an APIError(400) naming the first bad field."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad_request(f"The request body is not valid JSON: {e}.", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise bad_request("The request body must be a JSON object.", code="invalid_json")
+    try:
+        request = model.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e) from None
+    request.check_unsupported()
+    return request
+
+
+def validation_error(e: ValidationError) -> APIError:
+    err = e.errors(include_url=False)[0]
+    loc = [str(x) for x in err["loc"]]
+    # pydantic reports union members as extra path parts ("stop.str"); keep the user's field path only
+    param = ".".join(x for x in loc if x not in ("str", "int", "float", "list[str]", "list[int]", "list[list[int]]",
+                                                 "list[TextPart]", "dict[str,float]", "bool")) or None
+    extra = f" (got {json.dumps(err['input'])[:80]})" if err["type"] != "missing" and _jsonable(err["input"]) else ""
+    return bad_request(f"{param or 'body'}: {err['msg']}{extra}.", param, "invalid_parameter")
+
+
+def _jsonable(x: Any) -> bool:
+    try:
+        json.dumps(x)
+        return True
+    except (TypeError, ValueError):
+        return False
