@@ -92,6 +92,10 @@ class AsyncEngine:
     def abort(self, request_ids: list[str]) -> None:
         self._inbox.put(("abort", list(request_ids)))
 
+    def abort_all(self) -> None:
+        """Abort every request in flight; each listener gets a final Delta with finish_reason "abort"."""
+        self._inbox.put(("abort_all", None))
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Abort everything in flight (its listeners get finish_reason "abort"), free blocks, stop the thread."""
         self._inbox.put(_STOP)
@@ -142,6 +146,8 @@ class AsyncEngine:
             elif kind == "abort":
                 for rid in payload:
                     self._abort(rid)
+            elif kind == "abort_all":
+                self._abort_all()
             try:
                 cmd = self._inbox.get_nowait()
             except queue.Empty:

@@ -3,8 +3,9 @@
 Threads: the main thread runs uvicorn's event loop (HTTP, SSE, signals). A boot thread runs boot() so /health
 answers from the first second; when it finishes it starts the engine thread (async_engine.py) and flips the app to
 ready on the loop. A boot UserError prints one paragraph and exits 2. SIGTERM/SIGINT: uvicorn stops accepting,
-in-flight requests get --shutdown-timeout seconds to finish and are then cancelled (which aborts their engine
-requests), then the engine thread aborts whatever is left, frees its blocks and stops; the process exits 0."""
+in-flight requests get --shutdown-timeout seconds to finish, then the engine aborts the rest (their clients get
+finish_reason "abort" and the end of the stream), the engine thread frees every block and stops, and the process
+exits 0."""
 from __future__ import annotations
 
 import argparse
@@ -53,8 +54,9 @@ def served_model_name(model: str) -> str:
 class _Launch:
     """The boot thread and the engine it leaves behind, owned by the serve command."""
 
-    def __init__(self, config, timer, state, server_ref: list):
-        self.config, self.timer, self.state, self.server_ref = config, timer, state, server_ref
+    def __init__(self, config, timer, state):
+        self.config, self.timer, self.state = config, timer, state
+        self.server = None                 # the uvicorn server, set once it exists
         self.engine = None
         self.exit_code = 0
         self.stopping = threading.Event()
@@ -86,8 +88,7 @@ class _Launch:
 
     def _ready(self, serving) -> None:
         self.state.set_ready(serving)
-        server = self.server_ref[0]
-        host, port = server.config.host, server.config.port
+        host, port = self.server.config.host, self.server.config.port
         url_host = f"[{host}]" if ":" in host else host
         msg = (f"warmstart ready on http://{url_host}:{port} (model {self.state.model_name!r}, "
                f"startup {serving.booted.report.wall_seconds:.2f} s)")
@@ -96,7 +97,16 @@ class _Launch:
 
     def _fail(self, code: int) -> None:
         self.exit_code = code
-        self.server_ref[0].should_exit = True
+        self.server.should_exit = True
+
+    def on_drain_timeout(self) -> None:
+        """The grace period after SIGTERM is over: abort what is still running. Streams end with finish_reason
+        "abort" and [DONE], so connections close normally instead of being cancelled."""
+        with self._lock:
+            engine = self.engine
+        if engine is not None:
+            log.info("shutdown: aborting the requests still in flight")
+            engine.abort_all()
 
     def on_shutdown(self) -> None:
         with self._lock:
@@ -117,13 +127,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     timer = StepTimer.from_process_start()
     config = config_from_args(args)
     state = ServerState(args.served_model_name or served_model_name(args.model))
-    server_ref: list = []
-    launch = _Launch(config, timer, state, server_ref)
+    launch = _Launch(config, timer, state)
     app = create_app(state, on_startup=launch.on_startup, on_shutdown=launch.on_shutdown)
+    # uvicorn's own timeout (cancel the request tasks) is only the backstop for a handler that ignores the abort.
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, access_log=args.access_log,
-                               timeout_graceful_shutdown=args.shutdown_timeout, lifespan="on")
-    server = uvicorn.Server(uv_config)
-    server_ref.append(server)
+                               timeout_graceful_shutdown=args.shutdown_timeout + 5, lifespan="on")
+    server = launch.server = _make_server(uv_config, args.shutdown_timeout, launch.on_drain_timeout)
     log.info("serving %s as %r on http://%s:%d; /health answers now, /ready once the engine has booted",
              args.model, state.model_name, args.host, args.port)
     # uvicorn re-raises the signal that stopped it once it has shut down; with the default handlers that would
@@ -138,6 +147,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # web stack's object graphs; frozen objects are skipped by those collections, so SIGTERM -> exit stays fast.
     gc.freeze()
     return launch.exit_code
+
+
+def _make_server(config, drain_timeout: float, on_drain_timeout):
+    """uvicorn's Server plus a drain deadline: after SIGTERM, in-flight requests get drain_timeout seconds to finish,
+    then on_drain_timeout aborts them. (uvicorn is imported here, not at module level: every CLI command imports
+    this module to register `serve`.)"""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            asyncio.get_running_loop().call_later(drain_timeout, on_drain_timeout)
+            await super().shutdown(sockets)
+
+    return Server(config)
 
 
 def _note_signal(signum: int, frame) -> None:

@@ -46,13 +46,13 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class _Sampling(_Request):
+class SamplingRequest(_Request):
     """Fields both generation routes share, plus the vLLM-style extras the engine supports (top_k, min_p, ...)."""
     model: str
     n: int = Field(1, ge=1, le=MAX_N)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-2**63, le=2**63 - 1 - MAX_N)   # choice i samples with seed + i (int64)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -100,7 +100,7 @@ class ChatMessage(_Request):
         return self.content or ""
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -124,10 +124,10 @@ class ChatCompletionRequest(_Sampling):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-Prompt = str | list[str] | list[int] | list[list[int]]
+Prompt = str | list[int] | list[str | list[int]]        # a batch may mix text and token-id prompts
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingRequest):
     prompt: Prompt
     max_tokens: int | None = Field(None, ge=0)        # 0 is allowed with echo: scoring a prompt, generating nothing
     logprobs: int | None = Field(None, ge=0, le=20)
@@ -176,13 +176,16 @@ def parse(model: type[_Request], raw: bytes) -> Any:
 
 
 def validation_error(e: ValidationError) -> APIError:
-    err = e.errors(include_url=False)[0]
-    loc = [str(x) for x in err["loc"]]
-    # pydantic reports union members as extra path parts ("stop.str"); keep the user's field path only
-    param = ".".join(x for x in loc if x not in ("str", "int", "float", "list[str]", "list[int]", "list[list[int]]",
-                                                 "list[TextPart]", "dict[str,float]", "bool")) or None
+    # For a union field pydantic reports one error per member; the deepest one is the most specific.
+    err = max(e.errors(include_url=False), key=lambda x: len(x["loc"]))
+    # Union members appear as path parts ("str", "list[int]"); keep only the user's field path.
+    loc = [str(x) for x in err["loc"] if not (isinstance(x, str) and (x in _TYPE_NAMES or "[" in x))]
+    param = ".".join(loc) or None
     extra = f" (got {json.dumps(err['input'])[:80]})" if err["type"] != "missing" and _jsonable(err["input"]) else ""
     return bad_request(f"{param or 'body'}: {err['msg']}{extra}.", param, "invalid_parameter")
+
+
+_TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "TextPart", "StreamOptions"}
 
 
 def _jsonable(x: Any) -> bool:

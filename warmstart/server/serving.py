@@ -14,7 +14,7 @@ from warmstart.runner.batch import TokenLogprobs
 from warmstart.sampling_params import SamplingParams
 from warmstart.server.async_engine import AsyncEngine, ClientGone, Delta, RequestStream, SubRequest
 from warmstart.server.metrics import Metrics, RequestTimer
-from warmstart.server.protocol import APIError, _Sampling, bad_request
+from warmstart.server.protocol import APIError, SamplingRequest, bad_request
 from warmstart.server.render import TokenText
 from warmstart.tokenizer import Tokenizer
 
@@ -55,7 +55,7 @@ class ServingContext:
         except UserError as e:
             raise bad_request(str(e), param) from None
 
-    def params(self, req: _Sampling, prompt_len: int, max_tokens: int | None, *, choice: int,
+    def params(self, req: SamplingRequest, prompt_len: int, max_tokens: int | None, *, choice: int,
                logprobs: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
         """SamplingParams for one choice. max_tokens None means the rest of the context."""
         limit = self.max_model_len
@@ -146,7 +146,7 @@ class Generation:
                     yield d
             self.outcome = "finished"
         except ClientGone:
-            self.outcome = "disconnected"
+            pass                        # outcome stays "aborted", as when the task is cancelled (client gone)
         except RuntimeError:
             self.outcome = "error"
             raise
