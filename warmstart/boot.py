@@ -104,10 +104,6 @@ def boot(config: EngineConfig, timer: StepTimer | None = None) -> Booted:
         model.eval()
         weights_outcome = WeightsOutcome(loaded.source, loaded.fallback_reason, tuple(loaded.charges.entries()))
         runner = ModelRunner(model, device.torch_device(), kv_dtype)
-        compile_info = None
-        if config.compile:
-            from warmstart.runner.compile import compile_model
-            compile_info = compile_model(model, config.cache_dir / "compile" / compile_key(config, spec, facts))
     with timer.step("memory profile"):
         ledger = planner.plan(runner, loaded.owned_bytes, loaded.charges.total_bytes, overhead, max_model_len)
     with timer.step("kv allocation"):
@@ -116,6 +112,12 @@ def boot(config: EngineConfig, timer: StepTimer | None = None) -> Booted:
     engine = Engine(runner, SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, max_model_len),
                     ledger.num_kv_blocks, ledger.block_size, spec.vocab_size, spec.eos_token_ids, tokenizer.decode)
     with timer.step("warm-up"):
+        compile_info = None
+        if config.compile:
+            # After profiling: the peak tracker is a dispatch mode, and Dynamo would skip frames first seen
+            # under it. The eager peak bounds the compiled one (fusion only removes intermediates).
+            from warmstart.runner.compile import compile_model
+            compile_info = compile_model(model, config.cache_dir / "compile" / compile_key(config, spec, facts))
         _warm_up(engine)
     with timer.step("ready"):
         plan = planner.finish(runner, ledger, max_model_len)

@@ -114,17 +114,15 @@ class PlanStore:
         return Plan(key, ledger, float(doc.get("created", 0)), path)
 
     def _why_absent(self, key: PlanKey) -> tuple[str, ...]:
-        """No plan under this digest: compare with the newest plan for the same model to say what changed."""
+        """No plan under this digest: compare with the closest saved plan (fewest differing fields, newest on a
+        tie) to say what changed."""
         best, best_n = None, None
         for doc in self._docs():
-            comps = doc.get("key", {})
-            if comps.get("model.weights") != key.components.get("model.weights"):
-                continue
-            n = len(key.diff(comps))
+            n = len(key.diff(doc["key"]))
             if best is None or n < best_n or (n == best_n and doc.get("created", 0) > best.get("created", 0)):
                 best, best_n = doc, n
         if best is None:
-            return ("no saved plan for this model and device",)
+            return ("no saved plan yet",)
         return tuple(key.diff(best["key"]))
 
     def _docs(self) -> list[dict]:
