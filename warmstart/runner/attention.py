@@ -23,8 +23,8 @@ class SeqSlice:
 class AttentionMeta:
     slot_mapping: torch.Tensor                  # [T] where each new token's K/V goes
     seqs: list[SeqSlice]
-    decode_tables: torch.Tensor | None = None   # [B, max_blocks] when every sequence decodes exactly one token
-    decode_lens: torch.Tensor | None = None     # [B]
+    decode_slots: torch.Tensor | None = None    # [B, L] context slots (padded) when every sequence decodes 1 token
+    decode_mask: torch.Tensor | None = None     # [B, 1, 1, L] True where a padded slot is real context; None if B=1
 
 
 class PagedAttentionBackend:
@@ -44,22 +44,22 @@ class PagedAttentionBackend:
         vc = self.kv[1, layer].view(-1, v.shape[1], v.shape[2])
         kc.index_copy_(0, meta.slot_mapping, k.to(kc.dtype))
         vc.index_copy_(0, meta.slot_mapping, v.to(vc.dtype))
-        if meta.decode_tables is not None:
-            return self._decode(layer, q, meta)
+        if meta.decode_slots is not None:
+            return self._decode(q, kc, vc, meta)
         outs = []
         for s in meta.seqs:
             kk, vv = kc[s.slots].to(q.dtype), vc[s.slots].to(q.dtype)
             outs.append(_attend(q[s.q_start:s.q_start + s.q_len], kk, vv, s.q_len))
         return torch.cat(outs)
 
-    def _decode(self, layer: int, q: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
-        # One query per sequence: gather every sequence's blocks into a padded [B, Hkv, L, D] and mask the padding.
-        b, hkv, d = q.shape[0], self.kv.shape[-2], self.kv.shape[-1]
-        kk = self.kv[0, layer][meta.decode_tables].reshape(b, -1, hkv, d).transpose(1, 2).to(q.dtype)
-        vv = self.kv[1, layer][meta.decode_tables].reshape(b, -1, hkv, d).transpose(1, 2).to(q.dtype)
-        mask = torch.arange(kk.shape[2], device=q.device)[None, :] < meta.decode_lens[:, None]
-        out = F.scaled_dot_product_attention(q[:, :, None, :], kk, vv, attn_mask=mask[:, None, None, :],
-                                             enable_gqa=True)
+    def _decode(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+        # One query per sequence: gather every sequence's context into a padded [B, Hkv, L, D] and mask the padding.
+        # The slot matrix is built once per step by the runner, not once per layer.
+        b, length = meta.decode_slots.shape
+        flat = meta.decode_slots.reshape(-1)
+        kk = kc.index_select(0, flat).view(b, length, *kc.shape[1:]).transpose(1, 2).to(q.dtype)
+        vv = vc.index_select(0, flat).view(b, length, *vc.shape[1:]).transpose(1, 2).to(q.dtype)
+        out = F.scaled_dot_product_attention(q[:, :, None, :], kk, vv, attn_mask=meta.decode_mask, enable_gqa=True)
         return out[:, :, 0, :]
 
 

@@ -67,10 +67,15 @@ class ModelRunner:
             slots.append(ctx_slots[it.start:])
         meta = AttentionMeta(torch.cat(slots).to(self.device), seqs)
         if all(len(it.token_ids) == 1 for it in items):
-            width = max(len(it.block_table) for it in items)
-            meta.decode_tables = torch.tensor([it.block_table + [0] * (width - len(it.block_table)) for it in items],
-                                              dtype=torch.long, device=self.device)
-            meta.decode_lens = torch.tensor([s.ctx_len for s in seqs], device=self.device)
+            # Pad every context to the longest with slot 0 (masked out), so one SDPA call serves the batch.
+            width = max(s.ctx_len for s in seqs)
+            padded = torch.zeros(len(seqs), width, dtype=torch.long)
+            for i, s in enumerate(seqs):
+                padded[i, :s.ctx_len] = s.slots
+            meta.decode_slots = padded.to(self.device)
+            if any(s.ctx_len != width for s in seqs):
+                lens = torch.tensor([s.ctx_len for s in seqs])
+                meta.decode_mask = (torch.arange(width)[None, :] < lens[:, None])[:, None, None, :].to(self.device)
         return (torch.tensor(tokens, dtype=torch.long, device=self.device),
                 torch.tensor(positions, dtype=torch.long, device=self.device), meta)
 
