@@ -91,11 +91,13 @@ class DaemonSession:
 
     def open(self) -> Hello:
         """Connect, check the daemon's uid, exchange versioned hellos."""
-        problem = P.socket_dir_problem(self.path.parent)
-        if problem == "does not exist" or P.socket_problem(self.path) == "absent":
+        # The socket itself must be ours and not a symlink; SO_PEERCRED then checks who listens behind it. The
+        # directory is the daemon's to secure (0700); an explicit --weight-socket may live anywhere we can reach.
+        problem = P.socket_problem(self.path)
+        if problem == "absent":
             raise AttachFailure("daemon_absent", f"no socket at {self.path}")
-        if problem or P.socket_problem(self.path):
-            raise AttachFailure("socket_untrusted", f"{self.path}: {problem or P.socket_problem(self.path)}")
+        if problem:
+            raise AttachFailure("socket_untrusted", f"{self.path} {problem}")
         try:
             self.sock = P.connect(self.path, self.connect_timeout)
         except OSError as e:
@@ -187,6 +189,14 @@ class DaemonSession:
             self._kept = True
             _LIVE.extend(x for x in (self.sock, watchdog) if x is not None)
         return Attached(tensors, manifest, lease, mode)
+
+    def detach(self) -> None:
+        """End a zero-copy lease early (tools and benchmarks that attach repeatedly). On CPU the mapped tensors stay
+        valid after this; on CUDA the daemon may now exit and free them, so engines never call it."""
+        if self._kept and self.sock is not None:
+            _LIVE[:] = [x for x in _LIVE if x is not self.sock]
+            self._kept = False
+            self.close()
 
     def release(self) -> None:
         """End our lease: the daemon no longer holds these bytes on our behalf."""

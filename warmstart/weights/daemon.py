@@ -89,7 +89,9 @@ class WeightDaemon:
             # We hold the lock, so whoever made this socket is gone: it is stale, and it is ours to remove.
             log.info("removing stale socket %s", self.socket_path)
             os.unlink(self.socket_path)
-        tensors = load_tensors(self.model_dir, self.dtype, self.device, progress=False)
+        # Load on the CPU even for a CUDA daemon: load_tensors converts dtype on the CPU before moving anyway, so the
+        # bytes are the disk path's, and the GPU never holds the weights twice while they are packed.
+        tensors = load_tensors(self.model_dir, self.dtype, "cpu", progress=False)
         weight_bytes = weights_nbytes(tensors)
         if self.device.type == "cpu":
             self._fds, sizes, entries = T.build_memfd_regions(tensors, self.key.role)

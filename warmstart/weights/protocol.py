@@ -10,7 +10,6 @@ Sockets: `<dir>/<device>-<role>.sock` in a per-user 0700 directory ($XDG_RUNTIME
 /tmp/warmstart-<uid>); the daemon holds an flock on `<socket>.lock` for its whole life."""
 from __future__ import annotations
 
-import errno
 import os
 import socket
 import stat
@@ -225,7 +224,3 @@ def connect(path: Path, timeout: float) -> socket.socket:
         raise
     return sock
 
-
-def is_refused(e: OSError) -> bool:
-    """A socket file with no listener behind it: the daemon died (or has not bound yet)."""
-    return e.errno in (errno.ECONNREFUSED, errno.ENOENT)
