@@ -178,6 +178,8 @@ def main() -> int:
                       f"{floor/disk['wall']:.2f}")
                 print("    step medians, attach vs disk: " + ", ".join(
                     f"{k} {att[k]:.2f}/{disk[k]:.2f}" for k in disk if k != "wall"))
+    import shutil
+    shutil.rmtree(socket_dir, ignore_errors=True)    # the daemons are gone; only their lock files remain
     (workdir / "weights_attach.json").write_text(json.dumps(results, indent=2) + "\n")
     print(f"\nwrote {workdir / 'weights_attach.json'}")
     return 0
