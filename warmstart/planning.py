@@ -38,6 +38,11 @@ class MemoryPlanner:
     reasons: list[str] = field(default_factory=list)
     saved: bool = False
     hit_ledger: MemoryLedger | None = None
+    external: int = 0
+
+    @property
+    def effective_free(self) -> int:
+        return self.free_at_boot + self.external
 
     @property
     def reads(self) -> bool:
@@ -53,7 +58,12 @@ class MemoryPlanner:
         return self.device.default_plan_tolerance if t is None else t
 
     def plan(self, runner: ModelRunner, weights: int, external: int, overhead: int, max_model_len: int) -> MemoryLedger:
-        """The ledger for this boot: from a matching plan (no profiling forward) or from measurement."""
+        """The ledger for this boot: from a matching plan (no profiling forward) or from measurement.
+
+        Free memory is compared as 'free + bytes a daemon holds for us': a daemon's resident weights lower the
+        device's free memory by exactly what this boot then does not need to load, so an attached boot and a disk
+        boot of the same configuration see the same number and reach the same plan decision."""
+        self.external = external
         if self.config.kv_cache_memory is not None:
             self.status = "bypassed"
         elif self.reads:
@@ -66,7 +76,7 @@ class MemoryPlanner:
         return self._profile(runner, weights, external, overhead, max_model_len)
 
     def _try_hit(self, runner: ModelRunner, weights: int, external: int) -> MemoryLedger | None:
-        found = self.store.lookup(self.key, self.free_at_boot, self.tolerance)
+        found = self.store.lookup(self.key, self.effective_free, self.tolerance)
         self.status = "miss"
         if found.plan is not None:
             old = found.plan.ledger
@@ -101,7 +111,7 @@ class MemoryPlanner:
             budget=budget if budget is not None else int(self.config.utilization * self.facts.total_bytes),
             weights=weights, external=external, activation=activation, overhead=overhead,
             kv_block_bytes=runner.kv_block_bytes(self.config.block_size), block_size=self.config.block_size,
-            device=f"{self.facts.kind}:{self.facts.name}", total=self.facts.total_bytes, free=self.free_at_boot,
+            device=f"{self.facts.kind}:{self.facts.name}", total=self.facts.total_bytes, free=self.effective_free,
             explicit_kv=self.config.kv_cache_memory)
 
     def finish(self, runner: ModelRunner, ledger: MemoryLedger, max_model_len: int) -> PlanOutcome:
