@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.checkpoints import write_checkpoint
+from warmstart.planning import DRIFT_MARGIN
 from warmstart.startup.ledger import MemoryLedger
 from warmstart.startup.plan import PlanKey, PlanStore
 
@@ -199,8 +200,9 @@ def test_stale_ledger_is_detected_and_replaced(model, tmp_path):
     assert any(x.startswith("ledger drift") for x in plan["reasons"])
     assert r["report"]["memory"]["num_kv_blocks"] == stale.num_kv_blocks       # this boot used the plan
     fixed = MemoryLedger.from_dict(json.loads(path.read_text())["ledger"])
-    assert fixed.runtime_overhead_bytes == led.runtime_overhead_bytes
-    assert fixed.num_kv_blocks == first["report"]["memory"]["num_kv_blocks"]
+    # Re-measured after warm-up (RSS minus weights), so malloc arenas may add a little; the 1 GiB error is gone.
+    assert abs(fixed.runtime_overhead_bytes - led.runtime_overhead_bytes) <= DRIFT_MARGIN
+    assert abs(fixed.kv_cache_bytes - first["report"]["memory"]["kv_cache_bytes"]) <= DRIFT_MARGIN
     again = boot(tmp_path, model, n=1, memory_utilization=0.1)
     assert again["report"]["plan"]["status"] == "hit" and not again["report"]["plan"]["reasons"], again["report"]["plan"]
     assert again["outputs"] == first["outputs"]
