@@ -174,17 +174,7 @@ def ensure_socket_dir(path: Path | None) -> Path:
 
 def socket_dir_problem(path: Path) -> str | None:
     """None if path is a directory we own and not a symlink; else what is wrong with it."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return "does not exist"
-    if stat.S_ISLNK(st.st_mode):
-        return "is a symlink"
-    if not stat.S_ISDIR(st.st_mode):
-        return "is not a directory"
-    if st.st_uid != os.getuid():
-        return f"is owned by uid {st.st_uid}, not {os.getuid()}"
-    return None
+    return _ownership_problem(path, stat.S_ISDIR, "a directory", "does not exist")
 
 
 def socket_path(socket_dir: Path, device_id: str, role: str) -> Path:
@@ -200,16 +190,21 @@ def socket_path(socket_dir: Path, device_id: str, role: str) -> Path:
 
 def socket_problem(path: Path) -> str | None:
     """Before connecting: None if path is a socket owned by us and not a symlink; else what is wrong with it."""
+    return _ownership_problem(path, stat.S_ISSOCK, "a socket", "absent")
+
+
+def _ownership_problem(path: Path, is_kind, kind: str, absent: str) -> str | None:
+    # lstat, never stat: a symlink planted in a shared directory must not redirect us to someone else's file.
     try:
         st = os.lstat(path)
     except FileNotFoundError:
-        return "absent"
+        return absent
     if stat.S_ISLNK(st.st_mode):
         return "is a symlink"
-    if not stat.S_ISSOCK(st.st_mode):
-        return "is not a socket"
+    if not is_kind(st.st_mode):
+        return f"is not {kind}"
     if st.st_uid != os.getuid():
-        return f"is owned by uid {st.st_uid}"
+        return f"is owned by uid {st.st_uid}, not {os.getuid()}"
     return None
 
 
