@@ -93,20 +93,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from warmstart.sampling_params import SamplingParams
     from warmstart.startup.steps import StepTimer
     timer = StepTimer.from_process_start()
-    config = config_from_args(args)
-    from warmstart.boot import boot
-    booted = boot(config, timer)
-    llm = LLM.__new__(LLM)
-    llm.booted, llm.tokenizer, llm._next_id = booted, booted.tokenizer, 0
+    # Validate the request before paying for a boot.
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed_request,
                             top_p=args.top_p, top_k=args.top_k)
+    llm = LLM.from_config(config_from_args(args), timer)
     if args.chat:
         out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
     else:
         out = llm.generate(args.prompt, params)[0]
     print(out.text)
     if args.report:
-        booted.report.write(Path(args.report), outputs=[{"prompt_token_ids": out.prompt_token_ids,
+        llm.report.write(Path(args.report), outputs=[{"prompt_token_ids": out.prompt_token_ids,
                                                           "output_token_ids": out.output_token_ids}])
     return 0
 

@@ -24,8 +24,17 @@ class LLM:
     """A booted engine in this process. Keyword arguments are EngineConfig fields (dtype, max_model_len, ...)."""
 
     def __init__(self, model: str, *, timer: StepTimer | None = None, **engine_args):
-        self.booted: Booted = boot(EngineConfig(model=model, **engine_args), timer)
-        self.tokenizer = self.booted.tokenizer
+        self._attach(boot(EngineConfig(model=model, **engine_args), timer))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, timer: StepTimer | None = None) -> "LLM":
+        llm = cls.__new__(cls)
+        llm._attach(boot(config, timer))
+        return llm
+
+    def _attach(self, booted: Booted) -> None:
+        self.booted = booted
+        self.tokenizer = booted.tokenizer
         self._next_id = 0
 
     @property

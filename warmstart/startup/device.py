@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,21 +35,27 @@ class DeviceFacts:
         return "amx_bf16" in self.capability.split(",")
 
 
-class Device:
+class Device(ABC):
     """The shared interface. `facts` never change during a process; `free_bytes` and `process_bytes` are live."""
     kind = "abstract"
-    default_plan_tolerance = 0
+    default_plan_tolerance = 0       # bytes of free-memory shortfall a plan tolerates by default
 
+    @abstractmethod
     def facts(self) -> DeviceFacts: ...
+
+    @abstractmethod
     def free_bytes(self) -> int: ...
-    def process_bytes(self) -> int: ...
+
+    @abstractmethod
+    def process_bytes(self) -> int:
+        """Memory this process holds on the device (CPU: RSS; CUDA: the caching allocator's reservation)."""
+
+    @abstractmethod
     def torch_device(self) -> torch.device: ...
 
-    @contextmanager
+    @abstractmethod
     def track_peak(self):
-        """Yields a dict; on exit dict['peak_bytes'] holds the peak of bytes allocated above the start level."""
-        raise NotImplementedError
-        yield {}
+        """Context manager yielding a dict; on exit dict['peak_bytes'] is the peak allocated above the start."""
 
 
 class CpuDevice(Device):

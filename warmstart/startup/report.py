@@ -40,9 +40,8 @@ class StartupReport:
     extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        mem = {k: v for k, v in self.memory.to_dict().items()}
         return {"wall_seconds": round(self.wall_seconds, 6), "steps": self.steps, "plan": self.plan.to_dict(),
-                "memory": mem, "weights": self.weights.to_dict(), **self.extra}
+                "memory": self.memory.to_dict(), "weights": self.weights.to_dict(), **self.extra}
 
     def write(self, path: Path, outputs: list[dict] | None = None) -> None:
         d = self.to_dict()
