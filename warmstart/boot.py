@@ -19,7 +19,7 @@ from warmstart.models.spec import ModelSpec
 from warmstart.runner.runner import ModelRunner
 from warmstart.sampling_params import SamplingParams
 from warmstart.keys import compile_key, plan_key
-from warmstart.planning import MemoryPlanner
+from warmstart.planning import MemoryPlanner, ResidentCheck
 from warmstart.startup.device import DeviceFacts, get_device
 from warmstart.startup.ledger import OVERHEAD_QUANTUM, MemoryLedger, round_up
 from warmstart.startup.plan import PlanStore
@@ -121,9 +121,14 @@ def boot(config: EngineConfig, timer: StepTimer | None = None) -> Booted:
         _warm_up(engine)
     with timer.step("ready"):
         plan = planner.finish(runner, ledger, max_model_len)
-        log.info("%s", ledger.table())
-    report = StartupReport(timer.wall_seconds, timer.to_list(), plan, ledger, weights_outcome,
-                           extra={"compile": compile_info.snapshot()} if compile_info else {})
+        resident = ResidentCheck.measure(device, ledger)
+        log.info("%s\n  resident after boot %s (ledger expects %s, margin %s)", ledger.table(),
+                 format_bytes(resident.measured_bytes), format_bytes(resident.expected_bytes),
+                 format_bytes(resident.margin_bytes))
+    extra = {"resident": resident.to_dict()}
+    if compile_info:
+        extra["compile"] = compile_info.snapshot()
+    report = StartupReport(timer.wall_seconds, timer.to_list(), plan, ledger, weights_outcome, extra=extra)
     log.info("startup steps:\n%s", timer.table())
     return Booted(config, model_dir, spec, tokenizer, runner, engine, ledger, report, max_model_len)
 

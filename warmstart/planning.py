@@ -143,12 +143,11 @@ class MemoryPlanner:
             log.warning("could not save startup plan under %s: %s", self.store.root, e)
 
     def _drift(self, ledger: MemoryLedger) -> str | None:
-        measured, expected = resident_bytes(self.device, ledger)
-        margin = max(DRIFT_MARGIN, int(DRIFT_FRACTION * expected))
-        if expected - margin <= measured <= expected + ledger.activation_peak_bytes + margin:
+        check = ResidentCheck.measure(self.device, ledger)
+        if check.ok:
             return None
-        return (f"resident {format_bytes(measured)} vs ledger {format_bytes(expected)} "
-                f"(margin {format_bytes(margin)})")
+        return (f"resident {format_bytes(check.measured_bytes)} vs ledger {format_bytes(check.expected_bytes)} "
+                f"(margin {format_bytes(check.margin_bytes)})")
 
     def _remeasure(self, runner: ModelRunner, ledger: MemoryLedger, max_model_len: int) -> MemoryLedger:
         measured, _ = resident_bytes(self.device, ledger)
@@ -157,6 +156,31 @@ class MemoryPlanner:
         kv_resident = ledger.kv_cache_bytes if self.device.kind == "cuda" else 0
         overhead = round_up(max(0, measured - weights - kv_resident), OVERHEAD_QUANTUM)
         return self._size(runner, ledger.weights_bytes, ledger.external_weights_bytes, activation, overhead)
+
+
+@dataclass(frozen=True)
+class ResidentCheck:
+    """The ledger against the process: what is resident after warm-up vs what the ledger says should be.
+    It may exceed the expectation by the activation peak (allocator caches keep freed activations)."""
+    measured_bytes: int
+    expected_bytes: int
+    margin_bytes: int
+    activation_bytes: int
+
+    @classmethod
+    def measure(cls, device: Device, ledger: MemoryLedger) -> "ResidentCheck":
+        measured, expected = resident_bytes(device, ledger)
+        return cls(measured, expected, max(DRIFT_MARGIN, int(DRIFT_FRACTION * expected)),
+                   ledger.activation_peak_bytes)
+
+    @property
+    def ok(self) -> bool:
+        return self.expected_bytes - self.margin_bytes <= self.measured_bytes <= \
+            self.expected_bytes + self.activation_bytes + self.margin_bytes
+
+    def to_dict(self) -> dict:
+        return {"measured_bytes": self.measured_bytes, "expected_bytes": self.expected_bytes,
+                "margin_bytes": self.margin_bytes, "ok": self.ok}
 
 
 def resident_bytes(device: Device, ledger: MemoryLedger) -> tuple[int, int]:

@@ -49,6 +49,10 @@ def test_generate_writes_report_whose_steps_tile_the_wall_clock(ckpt, tmp_path):
     assert 0 <= mem["headroom_bytes"] < mem["kv_block_bytes"]
     assert mem["num_kv_blocks"] * mem["kv_block_bytes"] == mem["kv_cache_bytes"]
     assert d["plan"]["status"] == "off" and d["weights"]["source"] == "disk"
+    # Invariant 7: the process's resident memory after boot agrees with the ledger within the stated margin.
+    assert d["resident"]["ok"], d["resident"]
+    assert abs(d["resident"]["measured_bytes"] - d["resident"]["expected_bytes"]) <= \
+        d["resident"]["margin_bytes"] + mem["activation_peak_bytes"]
     out = d["outputs"][0]
     assert len(out["output_token_ids"]) == 6 and out["prompt_token_ids"]
     assert "kv cache" in r.stderr and "token capacity" in r.stderr      # the one memory table is logged
