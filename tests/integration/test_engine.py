@@ -130,3 +130,18 @@ def test_chat_uses_template(llm):
     assert tok.apply_chat_template(msgs) == "<|im_start|>user\nHello world<|im_end|>\n<|im_start|>assistant\n"
     out = llm.chat(msgs, SamplingParams(max_tokens=3, temperature=0))[0]
     assert out.prompt_token_ids == tok.encode(tok.apply_chat_template(msgs), add_special_tokens=False)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_dtypes_boot_and_track_float32(ckpt, llm, dtype):
+    import torch
+    half = LLM(str(ckpt), dtype=dtype, kv_cache_memory=8 * 2**20, max_model_len=256, startup_plan="off")
+    assert half.booted.runner.kv.dtype == getattr(torch, dtype)
+    assert all(p.dtype == getattr(torch, dtype) for p in half.booted.runner.model.parameters())
+    # Same prompt, prompt logprobs in both precisions: half precision stays close to float32 (a loose bound:
+    # bf16 keeps 8 mantissa bits).
+    p = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
+    ref = llm.generate_ids([PROMPTS[5]], p)[0].prompt_logprobs
+    got = half.generate_ids([PROMPTS[5]], p)[0].prompt_logprobs
+    assert len(ref) == len(got) == len(PROMPTS[5]) - 1
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(ref, got)) < 0.25
