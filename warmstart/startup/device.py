@@ -1,8 +1,8 @@
 """Device memory facts behind one small interface: total, free, name, capability, and peak measurement.
 
 CPU: total is host RAM (or the cgroup limit when lower), free is MemAvailable, the process's own use is its RSS,
-and the activation peak is measured by tracking every tensor torch allocates during the profiling forward (exact
-and repeatable, unlike RSS, whose malloc arenas drift by megabytes between runs).
+and the activation peak is measured by tracking every tensor torch functions return during the profiling forward
+(exact and repeatable, unlike RSS, whose malloc arenas drift by megabytes between runs).
 CUDA: total and free from cudaMemGetInfo, peak from the caching allocator's max_memory_allocated."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 CPU_FLAGS = ("avx", "avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile", "neon", "sve")
@@ -141,15 +141,16 @@ def get_device(kind: str, index: int = 0) -> Device:
     return CudaDevice(index) if kind == "cuda" else CpuDevice()
 
 
-class _AllocationTracker(TorchDispatchMode):
-    """Counts the bytes of every storage an op creates and subtracts them when the last tensor on it dies."""
+class _AllocationTracker(TorchFunctionMode):
+    """Counts the bytes of every storage a torch function creates and subtracts them when the last tensor on it
+    dies. A function mode, not a dispatch mode: entering a dispatch mode imports torch._dynamo (a second of boot)."""
 
     def __init__(self):
         super().__init__()
         self.current = self.peak = 0
         self._live: dict[int, list[int]] = {}       # storage data_ptr -> [nbytes, live tensor objects]
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
                   if isinstance(t, torch.Tensor) and t.device.type != "meta"}
