@@ -365,3 +365,20 @@ def test_default_model_logits_match_transformers_gguf_loader(smollm2_dir):
         CHAT, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
     with torch.inference_mode():
         assert torch.equal(ours(ids).logits, theirs(ids).logits)
+
+
+def test_abandoned_temp_folders_are_swept(tmp_path):
+    import os
+    import time
+
+    from warmstart.weights.gguf import _sweep_abandoned
+    target = tmp_path / "gguf-abc"
+    old, young = tmp_path / ".gguf-abc.tmp-dead", tmp_path / ".gguf-abc.tmp-live"
+    stale_swap = tmp_path / ".gguf-abc.old-dead"
+    for d in (old, young, stale_swap):
+        (d / "sub").mkdir(parents=True)
+    hour_ago = time.time() - 7200
+    os.utime(old, (hour_ago, hour_ago))
+    os.utime(stale_swap, (hour_ago, hour_ago))
+    _sweep_abandoned(target)
+    assert not old.exists() and not stale_swap.exists() and young.exists()

@@ -183,6 +183,7 @@ def _import_once(src: Path, sha: str, target: Path, *, may_replace: bool, progre
         _remember_source(target, sha, src)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    _sweep_abandoned(target)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         _convert(src, tmp, progress)
@@ -191,6 +192,19 @@ def _import_once(src: Path, sha: str, target: Path, *, may_replace: bool, progre
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # no-op once renamed
     return target
+
+
+def _sweep_abandoned(target: Path, min_age: float = 3600.0) -> None:
+    """Remove temp folders of this target left by importers that were killed mid-conversion. Only old ones: a
+    young one may belong to a concurrent importer that is still writing."""
+    import time
+    leftovers = [*target.parent.glob(f".{target.name}.tmp-*"), *target.parent.glob(f".{target.name}.old-*")]
+    for p in leftovers:
+        try:
+            if time.time() - p.stat().st_mtime > min_age:
+                shutil.rmtree(p, ignore_errors=True)
+        except OSError:
+            pass
 
 
 def _publish(tmp: Path, target: Path, sha: str, may_replace: bool) -> None:
