@@ -59,3 +59,16 @@ def test_plan_key_digest_and_diff():
     assert a.digest != b.digest and len(a.digest) == 32
     assert PlanKey(dict(reversed(list(a.components.items())))).digest == a.digest   # order-independent
     assert b.diff(a.components) == ["memory_utilization 0.3 -> 0.12"]
+
+
+def test_plan_store_keeps_a_bounded_number_of_plans(tmp_path):
+    from warmstart.startup.plan import PlanStore
+    store = PlanStore(tmp_path, max_plans=5)
+    led = MemoryLedger.size(budget=1000 * MiB, weights=0, external=0, activation=0, overhead=0,
+                            kv_block_bytes=MiB, block_size=16, device="cpu", total=2000 * MiB, free=1000 * MiB)
+    keys = [PlanKey({"i": i}) for i in range(8)]
+    for k in keys:
+        store.save(k, led)
+    left = {p.stem for p in tmp_path.glob("*.json")}
+    assert left == {k.digest for k in keys[3:]}          # the five most recently written
+    assert store.lookup(keys[-1], free_now=1000 * MiB, tolerance=0).plan is not None

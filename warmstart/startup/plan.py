@@ -23,6 +23,7 @@ log = logging.getLogger("warmstart.plan")
 PLAN_SCHEMA = 1
 # Fields whose change is expected to re-profile; listed first in a miss reason because they explain most misses.
 _STALE_TMP_SECONDS = 3600
+MAX_PLANS = 64            # per cache root; the least recently written go first
 
 
 def canonical(obj: Any) -> str:
@@ -72,8 +73,8 @@ class Lookup:
 
 
 class PlanStore:
-    def __init__(self, root: Path):
-        self.root = root
+    def __init__(self, root: Path, max_plans: int = MAX_PLANS):
+        self.root, self.max_plans = root, max_plans
 
     def path_for(self, key: PlanKey) -> Path:
         return self.root / f"{key.digest}.json"
@@ -164,7 +165,18 @@ class PlanStore:
             os.fsync(dfd)
         finally:
             os.close(dfd)
+        self._prune(keep=path)
         return path
+
+    def _prune(self, keep: Path) -> None:
+        """Bounded retention: beyond max_plans, delete the least recently written (never the one just saved)."""
+        try:
+            plans = sorted(self.root.glob("*.json"), key=lambda p: p.stat().st_mtime_ns, reverse=True)
+        except OSError:
+            return
+        for p in plans[self.max_plans:]:
+            if p != keep:
+                p.unlink(missing_ok=True)
 
     def remove(self, digest: str | None = None) -> int:
         """Delete one plan (by digest or digest prefix) or, with None, all of them. Returns how many."""
