@@ -145,3 +145,36 @@ def test_half_precision_dtypes_boot_and_track_float32(ckpt, llm, dtype):
     got = half.generate_ids([PROMPTS[5]], p)[0].prompt_logprobs
     assert len(ref) == len(got) == len(PROMPTS[5]) - 1
     assert max(abs(a.logprob - b.logprob) for a, b in zip(ref, got)) < 0.25
+
+
+def test_parallel_samples_share_prompt_blocks_and_match_alone(llm):
+    engine = llm.booted.engine
+    prompt = list(range(3, 40))                                  # 37 tokens: blocks 0 and 1 are full
+    params = [SamplingParams(max_tokens=12, temperature=0.9, seed=100 + i, ignore_eos=True) for i in range(4)]
+    alone = [llm.generate_ids([prompt], p)[0].output_token_ids for p in params]
+    seqs = engine.add_group([f"n{i}" for i in range(4)], prompt, params)
+    engine.step()                                                # the parent computes the prompt
+    engine.step()                                                # the children fork and compute the rest
+    parent, children = seqs[0], seqs[1:]
+    for child in children:
+        assert child.block_table[:2] == parent.block_table[:2]
+    assert engine.blocks.ref_count(parent.block_table[0]) == 4
+    while engine.has_unfinished:
+        engine.step()
+    engine.step()
+    assert [s.output_token_ids for s in seqs] == alone
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_aborting_the_parent_releases_its_waiting_children(llm):
+    engine = llm.booted.engine
+    greedy = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    seqs = engine.add_group(["a0", "a1", "a2"], [5, 6, 7, 8], [greedy] * 3)
+    assert engine.abort("a0")
+    while engine.has_unfinished:
+        engine.step()
+    engine.step()
+    alone = llm.generate_ids([[5, 6, 7, 8]], greedy)[0].output_token_ids
+    assert seqs[0].finish_reason == "abort"
+    assert [s.output_token_ids for s in seqs[1:]] == [alone, alone]
+    assert engine.blocks.num_free == engine.blocks.num_blocks

@@ -95,3 +95,31 @@ def test_finish_frees_blocks_from_either_queue():
     s.finish(a, "abort")                      # running
     assert bm.num_free == 4 and not s.has_work
     assert a.finish_reason == b.finish_reason == "abort"
+
+
+def test_forked_children_share_full_prompt_blocks():
+    s, bm = make(num_blocks=16, block_size=4)
+    parent, c1, c2 = seq(0, 10), seq(1, 10), seq(2, 10)
+    s.add(parent, [c1, c2])
+    s.release_forks()                         # parent has not computed its prompt yet: nothing happens
+    assert list(s.waiting) == [parent] and s.forks
+    run_step(s)
+    assert parent.block_table == [0, 1, 2]
+    s.release_forks()
+    assert list(s.waiting) == [c1, c2] and not s.forks
+    assert c1.block_table == c2.block_table == [0, 1] and c1.num_computed_tokens == 8
+    assert [bm.ref_count(b) for b in (0, 1, 2)] == [3, 3, 1]
+    out = run_step(s)                         # parent decodes; each child computes its last 2 prompt tokens
+    assert [(x.seq.seq_id, x.num_tokens) for x in out.scheduled] == [(0, 1), (1, 2), (2, 2)]
+    assert c1.block_table == [0, 1, 3] and c2.block_table == [0, 1, 4]
+    s.finish(parent, "stop")
+    assert [bm.ref_count(b) for b in (0, 1, 2)] == [2, 2, 0]
+
+
+def test_prompt_that_fills_whole_blocks_leaves_one_token_to_compute():
+    s, bm = make(num_blocks=16, block_size=4)
+    parent, child = seq(0, 8), seq(1, 8)
+    s.add(parent, [child])
+    run_step(s)
+    s.release_forks()
+    assert child.block_table == [0] and child.num_computed_tokens == 4   # not both blocks: 4 tokens left to run

@@ -56,6 +56,22 @@ class Engine:
         self.scheduler.add(seq)
         return seq
 
+    def add_group(self, request_ids: list[str], prompt_token_ids: list[int],
+                  params: list[SamplingParams]) -> list[Sequence]:
+        """Parallel samples of one prompt (OpenAI's n): the first computes the prompt, the others then share its
+        full prompt blocks instead of computing and storing the same K/V again."""
+        self.check_prompt(prompt_token_ids)
+        dup = [r for r in request_ids if r in self._by_request] or \
+            [r for i, r in enumerate(request_ids) if r in request_ids[:i]]
+        if dup:
+            raise UserError(f"request id {dup[0]!r} is already in flight.")
+        seqs = [Sequence(next(self._ids), rid, list(prompt_token_ids), p) for rid, p in zip(request_ids, params)]
+        for seq in seqs:
+            self._by_request[seq.request_id] = seq
+            self._sent[seq.seq_id] = 0
+        self.scheduler.add(seqs[0], seqs[1:])
+        return seqs
+
     def check_prompt(self, prompt_token_ids: list[int]) -> None:
         n, limit = len(prompt_token_ids), self.limits.max_model_len
         if n == 0:
@@ -82,10 +98,12 @@ class Engine:
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.scheduler.running) + len(self.scheduler.waiting)
+        return len(self.scheduler.running) + len(self.scheduler.waiting) + \
+            sum(len(children) for _, children in self.scheduler.forks.values())
 
     # -- the step -------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self.scheduler.release_forks()
         out = self.scheduler.schedule()
         finished_ids, self._finished_ids = self._finished_ids, []
         if out.empty:

@@ -54,13 +54,40 @@ class Scheduler:
         self.limits, self.blocks = limits, blocks
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # Parallel samples of one prompt wait here until their parent has the prompt in the KV cache; then they
+        # share its full prompt blocks (reference-counted) and compute only the rest.
+        self.forks: dict[int, tuple[Sequence, list[Sequence]]] = {}
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, children: list[Sequence] | None = None) -> None:
+        """Queue seq; `children` (same prompt) are admitted once seq's prompt is cached, sharing its blocks."""
         self.waiting.append(seq)
+        if children:
+            self.forks[seq.seq_id] = (seq, list(children))
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.forks)
+
+    def release_forks(self) -> None:
+        """After a step: fork the children of parents whose prompt is now in the cache. Children of a parent that
+        finished or was aborted before that are queued to compute their prompt themselves."""
+        for pid, (parent, children) in list(self.forks.items()):
+            if parent.status is Status.FINISHED:
+                share = 0
+            elif parent.num_computed_tokens >= parent.num_prompt_tokens:
+                # Full blocks only, and never the whole prompt: a child must compute at least one token itself
+                # to get the logits it samples from.
+                share = (parent.num_prompt_tokens - 1) // self.blocks.block_size * self.blocks.block_size
+            else:
+                continue
+            del self.forks[pid]
+            for child in reversed(children):
+                if child.status is Status.FINISHED:
+                    continue
+                if share and child.params.prompt_logprobs is None:     # prompt logprobs need every prompt row
+                    self.blocks.fork(parent, child, share)
+                    child.num_computed_tokens = share
+                self.waiting.appendleft(child)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.limits.max_num_batched_tokens
@@ -98,6 +125,7 @@ class Scheduler:
         return SchedulerOutput(scheduled, preempted)
 
     def _preempt(self, seq: Sequence) -> None:
+        # A forked child keeps nothing: freeing drops its references to shared blocks (the parent keeps them).
         self.blocks.free(seq)
         seq.num_computed_tokens = 0
         seq.status = Status.WAITING
@@ -108,7 +136,7 @@ class Scheduler:
         """Retire seq (finished, stopped or aborted) from whichever queue holds it and free its blocks."""
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
-        elif seq.status is Status.WAITING:
+        elif seq.status is Status.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         self.blocks.free(seq)
         seq.status, seq.finish_reason = Status.FINISHED, reason

@@ -154,12 +154,18 @@ class AsyncEngine:
                 return True
 
     def _add(self, q: asyncio.Queue, items: list[tuple[str, SubRequest]]) -> None:
+        # Choices of one prompt (n > 1) go in as one group, so they share the prompt's KV blocks.
+        groups: dict[tuple[int, ...], list[tuple[str, SubRequest]]] = {}
+        for rid, sub in items:
+            groups.setdefault(tuple(sub.prompt_token_ids), []).append((rid, sub))
         added = []
         try:
-            for rid, sub in items:
-                self.engine.add(rid, sub.prompt_token_ids, sub.params)
-                self._routes[rid] = _Route(q, sub.index)
-                added.append(rid)
+            for group in groups.values():
+                rids = [rid for rid, _ in group]
+                self.engine.add_group(rids, list(group[0][1].prompt_token_ids), [sub.params for _, sub in group])
+                for rid, sub in group:
+                    self._routes[rid] = _Route(q, sub.index)
+                added.extend(rids)
         except (UserError, ValueError) as e:          # validated on the loop already; a race or a bug
             for rid in added:
                 self._abort(rid, notify=False)
