@@ -37,7 +37,6 @@ class MemoryPlanner:
     status: str = "off"
     reasons: list[str] = field(default_factory=list)
     saved: bool = False
-    hit_ledger: MemoryLedger | None = None
     external: int = 0
 
     @property
@@ -88,7 +87,7 @@ class MemoryPlanner:
             elif ledger.num_kv_blocks != old.num_kv_blocks:
                 self.reasons.append(f"num_kv_blocks {old.num_kv_blocks} -> {ledger.num_kv_blocks}")
             else:
-                self.status, self.hit_ledger = "hit", old
+                self.status = "hit"
                 log.info("startup plan hit: %s (%d KV blocks, profiling skipped)", found.path, ledger.num_kv_blocks)
                 return ledger
         else:

@@ -41,9 +41,6 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
-    def token_to_id(self, token: str) -> int | None:
-        return self._tok.token_to_id(token)
-
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 

@@ -96,11 +96,6 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.scheduler.running) + len(self.scheduler.waiting) + \
-            sum(len(children) for _, children in self.scheduler.forks.values())
-
     # -- the step -------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         self.scheduler.release_forks()
