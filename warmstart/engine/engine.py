@@ -47,14 +47,8 @@ class Engine:
 
     # -- requests -------------------------------------------------------------------------------------------
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
-        self.check_prompt(prompt_token_ids)
-        if request_id in self._by_request:
-            raise UserError(f"request id {request_id!r} is already in flight.")
-        seq = Sequence(next(self._ids), request_id, list(prompt_token_ids), params)
-        self._by_request[request_id] = seq
-        self._sent[seq.seq_id] = 0
-        self.scheduler.add(seq)
-        return seq
+        """Queue one request; UserError for a bad prompt or a request id already in flight."""
+        return self.add_group([request_id], prompt_token_ids, [params])[0]
 
     def add_group(self, request_ids: list[str], prompt_token_ids: list[int],
                   params: list[SamplingParams]) -> list[Sequence]:
