@@ -74,17 +74,48 @@ def cmd_explain(args) -> int:
     facts = device.facts()
     key = plan_key(config, model_dir, spec, facts)
     planner = MemoryPlanner(config, device, facts, key, PlanStore(config.cache_dir / "plans"), device.free_bytes())
-    found = planner.store.lookup(key, planner.free_at_boot, planner.tolerance)
+    planner.external, note = _daemon_charge(config, model_dir, device, facts)
+    if note:
+        print(note)
+    found = planner.store.lookup(key, planner.effective_free, planner.tolerance)
     if found.plan is not None:
         led = found.plan.ledger
         print(f"hit: {found.path}\n  {led.num_kv_blocks} KV blocks ({format_bytes(led.kv_cache_bytes)}); "
-              f"free now {format_bytes(planner.free_at_boot)} >= recorded {format_bytes(led.free_bytes_at_boot)} "
+              f"free now {format_bytes(planner.effective_free)} >= recorded {format_bytes(led.free_bytes_at_boot)} "
               f"- tolerance {format_bytes(planner.tolerance)}")
         return 0
     print(f"miss: {found.path}")
     for r in found.reasons:
         print(f"  {r}")
     return 0
+
+
+def _daemon_charge(config, model_dir, device, facts) -> tuple[int, str | None]:
+    """The bytes a boot would be charged by a weight daemon (they count as free for the plan gate), without
+    attaching: a hello and a key comparison. 0 when the boot would load from disk."""
+    if config.load_format == "disk":
+        return 0, None
+    import os
+
+    from warmstart.boot import resolve_dtype
+    from warmstart.weights import client
+    from warmstart.weights.manifest import build_cache_key
+    from warmstart.weights.transport import device_id
+    path = client.resolve_socket(config.weight_socket, device.torch_device(), "target")
+    if not os.path.lexists(path):
+        return 0, None
+    try:
+        key = build_cache_key(model_dir, resolve_dtype(config.dtype, facts), "target",
+                              device_id(device.torch_device()), rank=config.rank, world_size=config.world_size)
+        with client.DaemonSession(path) as session:
+            hello = session.open()
+    except client.AttachFailure as e:
+        return 0, f"daemon at {path} would not be used ({e.reason}); assuming a disk load"
+    if hello.key.mismatched_fields(key):
+        return 0, f"daemon at {path} serves another configuration; assuming a disk load"
+    if config.weight_mode == "copy":
+        return 0, f"daemon at {path} would be copied from (no charge)"
+    return hello.weight_bytes, f"daemon at {path} would serve {format_bytes(hello.weight_bytes)} zero-copy"
 
 
 def register_cli(sub) -> None:

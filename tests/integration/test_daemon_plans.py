@@ -37,6 +37,15 @@ def test_attached_boot_hits_the_plan_a_disk_boot_made(tmp_path):
     daemon = Daemon(model, sock_dir, "--dtype", "float32").wait_ready()
     try:
         attached = boot(model, tmp_path / "c", "load_format=daemon", f"weight_socket={daemon.socket}")
+        # `plan explain` reaches the same decision without booting, by asking the daemon for its charge.
+        flags = ["--memory-utilization", "0.1", "--max-model-len", "256", "--dtype", "float32",
+                 "--cache-dir", str(tmp_path / "c")]
+        explain = subprocess.run([sys.executable, "-m", "warmstart", "plan", "explain", str(model), *flags,
+                                  "--load-format", "daemon", "--weight-socket", str(daemon.socket)],
+                                 capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert explain.returncode == 0, explain.stderr
+        lines = explain.stdout.splitlines()
+        assert "zero-copy" in lines[0] and lines[1].startswith("hit: "), explain.stdout
     finally:
         daemon.stop()
         shutil.rmtree(sock_dir, ignore_errors=True)
