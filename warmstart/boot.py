@@ -114,8 +114,8 @@ def boot(config: EngineConfig, timer: StepTimer | None = None) -> Booted:
     with timer.step("warm-up"):
         compile_info = None
         if config.compile:
-            # After profiling: the peak tracker is a dispatch mode, and Dynamo would skip frames first seen
-            # under it. The eager peak bounds the compiled one (fusion only removes intermediates).
+            # After profiling: Dynamo skipped frames it first saw under the peak tracker (a torch mode), and the
+            # eager peak bounds the compiled one (fusion only removes intermediates).
             from warmstart.runner.compile import compile_model
             compile_info = compile_model(model, config.cache_dir / "compile" / compile_key(config, spec, facts))
         _warm_up(engine)
