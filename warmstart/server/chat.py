@@ -12,7 +12,8 @@ from warmstart.errors import UserError
 from warmstart.server.async_engine import SubRequest
 from warmstart.server.protocol import ChatCompletionRequest, bad_request, parse
 from warmstart.server.render import chat_logprobs, usage
-from warmstart.server.serving import SSE_HEADERS, Generation, ServingContext, new_id, now, server_error, sse
+from warmstart.server.serving import (SSE_HEADERS, Generation, ServingContext, chunk_writer, new_id, now,
+                                      server_error, sse)
 
 ROUTE = "/v1/chat/completions"
 
@@ -52,12 +53,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
 
 async def _stream(ctx: ServingContext, gen: Generation, req: ChatCompletionRequest, rid: str, created: int,
                   prompt_len: int, include_usage: bool) -> AsyncIterator[bytes]:
-    def chunk(choices: list[dict], **extra) -> bytes:
-        body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name,
-                "choices": choices, **extra}
-        if include_usage and "usage" not in body:
-            body["usage"] = None
-        return sse(body)
+    chunk = chunk_writer("chat.completion.chunk", rid, created, ctx.model_name, include_usage)
 
     for i in range(req.n):
         yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,

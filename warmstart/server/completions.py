@@ -16,8 +16,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from warmstart.server.async_engine import Delta, SubRequest
 from warmstart.server.protocol import CompletionRequest, parse
 from warmstart.server.render import LegacyLogprobs, TokenText, usage
-from warmstart.server.serving import (SSE_HEADERS, ChoiceResult, Generation, ServingContext, new_id, now,
-                                      server_error, sse)
+from warmstart.server.serving import (SSE_HEADERS, ChoiceResult, Generation, ServingContext, chunk_writer, new_id,
+                                      now, server_error, sse)
 
 ROUTE = "/v1/completions"
 
@@ -106,12 +106,7 @@ async def _stream(ctx: ServingContext, gen: Generation, plan: _Plan, rid: str, c
                   include_usage: bool) -> AsyncIterator[bytes]:
     req = plan.req
 
-    def chunk(choices: list[dict], **extra) -> bytes:
-        body = {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name,
-                "choices": choices, **extra}
-        if include_usage and "usage" not in body:
-            body["usage"] = None
-        return sse(body)
+    chunk = chunk_writer("text_completion", rid, created, ctx.model_name, include_usage)
 
     legacy: dict[int, LegacyLogprobs] = {}
     completion_tokens = 0

@@ -90,6 +90,17 @@ def sse(obj: dict | str) -> bytes:
     return f"data: {body}\n\n".encode()
 
 
+def chunk_writer(obj_type: str, rid: str, created: int, model: str, include_usage: bool):
+    """The SSE framing every streamed chunk of one response shares. With include_usage, OpenAI sends
+    "usage": null on every chunk but the last, which carries the counts."""
+    def chunk(choices: list[dict], **extra) -> bytes:
+        body = {"id": rid, "object": obj_type, "created": created, "model": model, "choices": choices, **extra}
+        if include_usage and "usage" not in body:
+            body["usage"] = None
+        return sse(body)
+    return chunk
+
+
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
