@@ -120,11 +120,9 @@ def boot(config: EngineConfig, timer: StepTimer | None = None) -> Booted:
             compile_info = compile_model(model, config.cache_dir / "compile" / compile_key(config, spec, facts))
         _warm_up(engine)
     with timer.step("ready"):
-        plan = planner.finish(runner, ledger, max_model_len)
         resident = ResidentCheck.measure(device, ledger)
-        log.info("%s\n  resident after boot %s (ledger expects %s, margin %s)", ledger.table(),
-                 format_bytes(resident.measured_bytes), format_bytes(resident.expected_bytes),
-                 format_bytes(resident.margin_bytes))
+        plan = planner.finish(runner, ledger, max_model_len, resident)
+        log.info("%s\n  %s", ledger.table(), resident.describe())
     extra = {"resident": resident.to_dict()}
     if compile_info:
         extra["compile"] = compile_info.snapshot()

@@ -113,12 +113,13 @@ class MemoryPlanner:
             device=f"{self.facts.kind}:{self.facts.name}", total=self.facts.total_bytes, free=self.effective_free,
             explicit_kv=self.config.kv_cache_memory)
 
-    def finish(self, runner: ModelRunner, ledger: MemoryLedger, max_model_len: int) -> PlanOutcome:
-        """After KV allocation and warm-up: verify a hit against measured memory (replacing a stale plan), or
-        save a profiled boot's ledger. Plan I/O never fails a boot."""
+    def finish(self, runner: ModelRunner, ledger: MemoryLedger, max_model_len: int,
+               resident: "ResidentCheck") -> PlanOutcome:
+        """After KV allocation and warm-up: verify a hit against the measured resident memory (replacing a stale
+        plan), or save a profiled boot's ledger. Plan I/O never fails a boot."""
         path = self.store.path_for(self.key)
         if self.status == "hit":
-            drift = self._drift(ledger)
+            drift = None if resident.ok else resident.describe()
             if drift and self.writes:
                 self.reasons.append(f"ledger drift: {drift}; plan re-measured and replaced")
                 log.warning("startup plan %s no longer matches this process: %s; re-measuring", path.name, drift)
@@ -127,8 +128,7 @@ class MemoryPlanner:
             elif drift:
                 self.reasons.append(f"ledger drift: {drift}")
                 log.warning("startup plan %s no longer matches this process: %s", path.name, drift)
-        elif self.writes and self.status in ("miss", "off"):
-            self.status = "miss"
+        elif self.writes:                  # a miss (auto) or write mode
             self._save(ledger)
         return PlanOutcome(self.status, self.saved, tuple(self.reasons),
                            str(path) if self.status != "bypassed" and self.config.startup_plan != "off" else None)
@@ -140,13 +140,6 @@ class MemoryPlanner:
             log.info("startup plan saved: %s", path)
         except OSError as e:
             log.warning("could not save startup plan under %s: %s", self.store.root, e)
-
-    def _drift(self, ledger: MemoryLedger) -> str | None:
-        check = ResidentCheck.measure(self.device, ledger)
-        if check.ok:
-            return None
-        return (f"resident {format_bytes(check.measured_bytes)} vs ledger {format_bytes(check.expected_bytes)} "
-                f"(margin {format_bytes(check.margin_bytes)})")
 
     def _remeasure(self, runner: ModelRunner, ledger: MemoryLedger, max_model_len: int) -> MemoryLedger:
         measured, _ = resident_bytes(self.device, ledger)
@@ -176,6 +169,10 @@ class ResidentCheck:
     def ok(self) -> bool:
         return self.expected_bytes - self.margin_bytes <= self.measured_bytes <= \
             self.expected_bytes + self.activation_bytes + self.margin_bytes
+
+    def describe(self) -> str:
+        return (f"resident {format_bytes(self.measured_bytes)} vs ledger {format_bytes(self.expected_bytes)} "
+                f"(margin {format_bytes(self.margin_bytes)})")
 
     def to_dict(self) -> dict:
         return {"measured_bytes": self.measured_bytes, "expected_bytes": self.expected_bytes,

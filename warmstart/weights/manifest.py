@@ -42,7 +42,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 @dataclass(frozen=True)
 class CacheKey:
     """The identity of a daemon's contents. Two keys are compatible only if every field is equal."""
-    checkpoint: str          # sha256 over per-file (name, size, header sha256): content, not path
+    checkpoint: str          # sha256 over loader.checkpoint_identity: content, not path
     architecture: str
     dtype: str
     role: str                # "target" | "draft"
