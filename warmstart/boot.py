@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from warmstart import threads
 from warmstart.config import EngineConfig, format_bytes
 from warmstart.engine.engine import Engine
 from warmstart.engine.scheduler import SchedulerLimits
@@ -64,7 +65,10 @@ def resolve_model_dir(model: str, cache_dir: Path) -> Path:
     return path
 
 
-def resolve_dtype(requested: str, facts: DeviceFacts) -> torch.dtype:
+def resolve_dtype(requested: str, facts: DeviceFacts, spec: ModelSpec | None = None,
+                  cache_dir: Path | None = None) -> torch.dtype:
+    """The weight/activation dtype. On CPU, auto is decided by runner/dtype_probe.py (measured where it is not
+    obvious, cached per machine); pass the model's spec and the cache dir so the probe uses its shapes."""
     if requested != "auto":
         if requested == "bfloat16" and facts.kind == "cpu" and not facts.has_fast_bf16:
             log.warning("bfloat16 on this CPU (%s) has no native matmul support and runs slower than float32",
@@ -72,19 +76,24 @@ def resolve_dtype(requested: str, facts: DeviceFacts) -> torch.dtype:
         return DTYPES[requested]
     if facts.kind == "cuda":
         return torch.bfloat16 if facts.has_fast_bf16 else torch.float16
-    # CPUs without AMX run bf16 matmuls slower than fp32 (measured on AVX2 and AVX512-BF16 parts).
-    return torch.bfloat16 if facts.has_fast_bf16 else torch.float32
+    from warmstart.paths import warmstart_cache_dir
+    from warmstart.runner.dtype_probe import choose_cpu_dtype
+    h, i = (spec.hidden_size, spec.intermediate_size) if spec else (1024, 4096)
+    choice = choose_cpu_dtype(facts.name, facts.capability, [(i, h), (h, i), (h, h)],
+                              cache_dir or warmstart_cache_dir())
+    return DTYPES[choice.dtype]
 
 
 def boot(config: EngineConfig, timer: StepTimer | None = None) -> Booted:
     timer = timer or StepTimer.starting_now()
     with timer.step("config"):
+        thread_settings = threads.configure(config.threads)
         model_dir = resolve_model_dir(config.model, config.cache_dir)
         spec = ModelSpec.from_dir(model_dir)
         device = get_device(config.device_kind, _device_index(config.device))
         facts = device.facts()
         free_at_boot = device.free_bytes()
-        dtype = resolve_dtype(config.dtype, facts)
+        dtype = resolve_dtype(config.dtype, facts, spec, config.cache_dir)
         kv_dtype = dtype if config.kv_cache_dtype == "auto" else DTYPES[config.kv_cache_dtype]
         max_model_len = _max_model_len(config, spec)
         torch.manual_seed(config.seed)
@@ -123,12 +132,25 @@ def boot(config: EngineConfig, timer: StepTimer | None = None) -> Booted:
         resident = ResidentCheck.measure(device, ledger)
         plan = planner.finish(runner, ledger, max_model_len, resident)
         log.info("%s\n  %s", ledger.table(), resident.describe())
-    extra = {"resident": resident.to_dict()}
+    extra = {"resident": resident.to_dict(), "threads": thread_settings.to_dict(),
+             "dtype": str(dtype).removeprefix("torch."),
+             "quantization": _quantization_summary(loaded.tensors, config.quantization)}
     if compile_info:
         extra["compile"] = compile_info.snapshot()
     report = StartupReport(timer.wall_seconds, timer.to_list(), plan, ledger, weights_outcome, extra=extra)
     log.info("startup steps:\n%s", timer.table())
     return Booted(config, model_dir, spec, tokenizer, runner, engine, ledger, report, max_model_len)
+
+
+def _quantization_summary(tensors: dict[str, torch.Tensor], requested: str) -> dict:
+    """How the bound weights are stored: linears per format, and the bytes of each."""
+    from warmstart.weights.loader import weights_nbytes
+    kinds: dict[str, int] = {}
+    for name in tensors:
+        if name.endswith(".qweight"):
+            kind = "int4" if name.replace(".qweight", ".scales_zeros") in tensors else "int8"
+            kinds[kind] = kinds.get(kind, 0) + 1
+    return {"requested": requested, "linears": kinds, "weight_bytes": weights_nbytes(tensors)}
 
 
 def _device_index(device: str) -> int:

@@ -49,8 +49,17 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
                    help=f"tokens per KV block (default {_D['block_size']})")
     g.add_argument("--kv-cache-dtype", default=_D["kv_cache_dtype"],
                    choices=["auto", "float32", "bfloat16", "float16"], help="default: the model dtype")
+    g.add_argument("--quantization", default=_D["quantization"], choices=["auto", "none", "int8", "int4"],
+                   help="weight-only quantization on CPU. auto: an imported GGUF keeps its own formats (Q4_0/Q4_1/"
+                        "Q4_K as int4 in groups of 32, Q5/Q6_K/Q8_0 as int8 per row), a float checkpoint stays float; "
+                        "none: float in --dtype; int8: every linear int8 per output row; int4: linears int4 in "
+                        "groups of 32, the LM head int8 (default auto)")
     g.add_argument("--compile", action="store_true", help="torch.compile the model, with a persistent "
                                                          "compiler cache under --cache-dir")
+    g.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for the model (default: the cores this process may use, from its affinity "
+                        "mask and cgroup quota). Idle threads wait passively (OMP_WAIT_POLICY=PASSIVE) unless the "
+                        "environment sets OMP_WAIT_POLICY")
     g.add_argument("--cache-dir", default=None,
                    help=f"plans, imported models and the compiler cache (default {warmstart_cache_dir()}, "
                         "or $WARMSTART_CACHE_DIR)")
@@ -77,7 +86,7 @@ def config_from_args(args: argparse.Namespace, model: str | None = None) -> Engi
               memory_utilization=args.memory_utilization, kv_cache_memory=args.kv_cache_memory,
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-              kv_cache_dtype=args.kv_cache_dtype, compile=args.compile, seed=args.seed,
+              kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization, compile=args.compile, seed=args.seed, threads=args.threads,
               startup_plan=args.startup_plan, plan_free_tolerance=args.plan_free_tolerance,
               load_format=args.load_format, weight_socket=args.weight_socket, weight_mode=args.weight_mode,
               weight_fallback=args.weight_fallback == "on")
@@ -152,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Before anything imports torch: its OpenMP runtime reads the wait policy once, when it loads.
+    from warmstart import threads
+    threads.configure(getattr(args, "threads", None))
     try:
         return args.func(args) or 0
     except UserError as e:

@@ -10,6 +10,7 @@ from warmstart.errors import UserError
 from warmstart.paths import warmstart_cache_dir
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+Quantization = Literal["auto", "none", "int8", "int4"]
 PlanMode = Literal["auto", "off", "read", "write", "require"]
 LoadFormat = Literal["auto", "disk", "daemon"]
 WeightMode = Literal["zero_copy", "copy"]
@@ -59,7 +60,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 512         # tokens per step; also the size of the profiling forward
     block_size: int = 16
     kv_cache_dtype: str = "auto"              # "auto" -> the model dtype
+    quantization: Quantization = "auto"       # auto: a quantized checkpoint (imported GGUF) keeps its formats
     compile: bool = False
+    threads: int | None = None                # CPU intra-op threads; None -> the cores this process may use
     cache_dir: Path = field(default_factory=warmstart_cache_dir)
     seed: int = 0
     # startup plans
@@ -89,6 +92,8 @@ class EngineConfig:
                    f"{self.kv_cache_memory}. Leave it out to size the KV cache from --memory-utilization.")
         if self.max_model_len is not None:
             _check(self.max_model_len > 0, f"--max-model-len must be positive, got {self.max_model_len}.")
+        if self.threads is not None:
+            _check(0 < self.threads <= 1024, f"--threads must be between 1 and 1024, got {self.threads}.")
         _check(self.max_num_seqs > 0, f"--max-num-seqs must be positive, got {self.max_num_seqs}.")
         _check(self.max_num_batched_tokens > 0,
                f"--max-num-batched-tokens must be positive, got {self.max_num_batched_tokens}.")
@@ -96,6 +101,8 @@ class EngineConfig:
                f"--block-size must be a power of two up to 1024, got {self.block_size}.")
         _check(self.kv_cache_dtype in ("auto", "float32", "bfloat16", "float16"),
                f"--kv-cache-dtype {self.kv_cache_dtype!r} is not supported; use auto, float32, bfloat16 or float16.")
+        _check(self.quantization in ("auto", "none", "int8", "int4"),
+               f"--quantization {self.quantization!r} is not one of auto, none, int8, int4.")
         _check(self.startup_plan in ("auto", "off", "read", "write", "require"),
                f"--startup-plan {self.startup_plan!r} is not one of auto, off, read, write, require.")
         _check(self.load_format in ("auto", "disk", "daemon"),

@@ -34,6 +34,7 @@ def plan_key(config: EngineConfig, model_dir: Path, spec: ModelSpec, facts: Devi
         "model.weights": checkpoint_identity(model_dir),
         "dtype": config.dtype,
         "kv_cache_dtype": config.kv_cache_dtype,
+        "quantization": config.quantization,
         "max_model_len": config.max_model_len if config.max_model_len is not None else "auto",
         "max_num_seqs": config.max_num_seqs,
         "max_num_batched_tokens": config.max_num_batched_tokens,
@@ -60,6 +61,7 @@ def compile_key(config: EngineConfig, spec: ModelSpec, facts: DeviceFacts) -> st
         "model": {k: v for k, v in spec.__dict__.items() if k not in ("eos_token_ids", "bos_token_id")},
         "dtype": config.dtype,
         "kv_cache_dtype": config.kv_cache_dtype,
+        "quantization": config.quantization,
         "device": [facts.kind, facts.capability],
     }
     return hashlib.sha256(canonical(parts).encode()).hexdigest()[:24]

@@ -105,8 +105,10 @@ def _daemon_charge(config, model_dir, device, facts) -> tuple[int, str | None]:
     if not os.path.lexists(path):
         return 0, None
     try:
-        key = build_cache_key(model_dir, resolve_dtype(config.dtype, facts), "target",
-                              device_id(device.torch_device()), rank=config.rank, world_size=config.world_size)
+        from warmstart.models.spec import ModelSpec
+        dtype = resolve_dtype(config.dtype, facts, ModelSpec.from_dir(model_dir), config.cache_dir)
+        key = build_cache_key(model_dir, dtype, "target", device_id(device.torch_device()), rank=config.rank,
+                              world_size=config.world_size, quantization=config.quantization)
         with client.DaemonSession(path) as session:
             hello = session.open()
     except client.AttachFailure as e:

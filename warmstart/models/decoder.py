@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from warmstart.models.layers import GatedMLP, PagedAttention, RMSNorm, RotaryEmbedding
+from warmstart.models.layers import GatedMLP, PagedAttention, RMSNorm, RotaryEmbedding, apply_rotary
 from warmstart.models.spec import ModelSpec
 
 
@@ -25,15 +25,14 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.d, spec.rms_norm_eps)
         self.qk_norm = spec.qk_norm
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                attn: PagedAttention) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: PagedAttention) -> torch.Tensor:
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.h, self.d)
         k = self.k_proj(x).view(t, self.hkv, self.d)
         v = self.v_proj(x).view(t, self.hkv, self.d)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
+        q, k = apply_rotary(q, k, *rope)
         return self.o_proj(attn(self.layer, q, k, v).reshape(t, self.h * self.d))
 
 
@@ -45,8 +44,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
-    def forward(self, x, positions, rope, attn):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, attn)
+    def forward(self, x, rope, attn):
+        x = x + self.self_attn(self.input_layernorm(x), rope, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -60,8 +59,9 @@ class DecoderBody(nn.Module):
 
     def forward(self, input_ids, positions, attn):
         x = self.embed_tokens(input_ids)
+        rope = self.rotary_emb(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, positions, self.rotary_emb, attn)
+            x = layer(x, rope, attn)
         return self.norm(x)
 
 

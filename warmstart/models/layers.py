@@ -32,8 +32,8 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Non-interleaved (rotate-half) RoPE, as in transformers' Llama/Qwen. cos/sin are computed per call from
-    positions so there is no max-length table to size or to key on."""
+    """Non-interleaved (rotate-half) RoPE, as in transformers' Llama/Qwen. cos/sin are computed once per forward
+    from the positions (not once per layer), so there is no max-length table to size or to key on."""
 
     def __init__(self, head_dim: int, spec: RopeSpec):
         super().__init__()
@@ -46,11 +46,16 @@ class RotaryEmbedding(nn.Module):
         """Recompute the frequencies on device (a meta-built model has none)."""
         self.inv_freq = _inv_freq(self.head_dim, self.spec).to(device)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each [T, 1, D] in dtype, for every layer of this forward."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]          # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]                   # [T, 1, D]
-        cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -27,10 +27,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if kind not in ("cpu", "cuda"):
         raise UserError(f"--device {args.device!r} is not supported; use auto, cpu or cuda[:N].")
     device = get_device(kind, int(index or 0))
-    dtype = resolve_dtype(args.dtype, device.facts())
+    from warmstart.models.spec import ModelSpec
+    dtype = resolve_dtype(args.dtype, device.facts(), ModelSpec.from_dir(model_dir), cache_dir)
     daemon = WeightDaemon(model_dir, dtype, device.torch_device(), args.role,
                           Path(args.socket_dir) if args.socket_dir else None, rank=args.rank,
-                          world_size=args.world_size)
+                          world_size=args.world_size, quantization=args.quantization)
     return daemon.run()
 
 
@@ -101,6 +102,8 @@ def register_cli(sub) -> None:
     s.add_argument("model", help="a Hugging Face model folder, a .gguf file, or 'default'")
     s.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="served dtype; must equal the engines' (auto resolves exactly as the engine does)")
+    s.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+                   help="served quantization; must equal the engines' --quantization (default auto)")
     s.add_argument("--role", default="target", choices=["target", "draft"], help="default: target")
     s.add_argument("--device", default="auto", help="auto, cpu or cuda[:N] (default: auto)")
     s.add_argument("--socket-dir", default=None,

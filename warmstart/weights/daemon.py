@@ -61,13 +61,15 @@ class WeightDaemon:
     """One model, one device, one role, one socket."""
 
     def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device, role: str,
-                 socket_dir: Path | None = None, *, rank: int = 0, world_size: int = 1):
+                 socket_dir: Path | None = None, *, rank: int = 0, world_size: int = 1,
+                 quantization: str = "auto"):
+        self.quantization = quantization
         self.model_dir, self.dtype, self.device, self.role = model_dir, dtype, torch.device(device), role
         self.socket_dir = P.ensure_socket_dir(socket_dir)
         self.device_id = T.device_id(self.device)
         self.socket_path = P.socket_path(self.socket_dir, self.device_id, role)
         self.key: CacheKey = build_cache_key(model_dir, dtype, role, self.device_id, rank=rank,
-                                             world_size=world_size)
+                                             world_size=world_size, quantization=quantization)
         self._lock_fd = -1
         self._listener: socket.socket | None = None
         self._bound_ino = 0
@@ -91,7 +93,7 @@ class WeightDaemon:
             os.unlink(self.socket_path)
         # Load on the CPU even for a CUDA daemon: load_tensors converts dtype on the CPU before moving anyway, so the
         # bytes are the disk path's, and the GPU never holds the weights twice while they are packed.
-        tensors = load_tensors(self.model_dir, self.dtype, "cpu", progress=False)
+        tensors = load_tensors(self.model_dir, self.dtype, "cpu", progress=False, quantization=self.quantization)
         weight_bytes = weights_nbytes(tensors)
         if self.device.type == "cpu":
             self._fds, sizes, entries = T.build_memfd_regions(tensors, self.key.role)

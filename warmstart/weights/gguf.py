@@ -25,7 +25,7 @@ from warmstart.paths import warmstart_cache_dir
 DEFAULT_MODEL_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 _DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MARKER = ".warmstart-import.json"
-_MARKER_FORMAT = 1
+_MARKER_FORMAT = 2   # 2: quantized tensors are kept (weights/gguf_quant.py), not dequantized to float32
 
 # GGUF architecture -> (HF class, HF model_type)
 _ARCHITECTURES = {
@@ -242,7 +242,7 @@ def _convert(src: Path, out: Path, progress: bool) -> None:
     hf_names = {t.name: _hf_name(t.name, src) for t in reader.tensors}
     config = _build_config(reader, arch, hf_names)
     _save_tokenizer(src, out)
-    tensors = _dequantize_all(reader, arch, hf_names, progress)
+    tensors = _convert_tensors(reader, arch, hf_names, progress)
     _save_safetensors(tensors, out / "model.safetensors")
     _write_json_atomically(out / "config.json", config)
     _write_json_atomically(out / "generation_config.json", _generation_config(reader))
@@ -267,23 +267,35 @@ def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
     return default if field is None else field.contents()
 
 
-def _dequantize_all(reader: gguf.GGUFReader, arch: str, hf_names: dict[str, str],
-                    progress: bool) -> dict[str, np.ndarray]:
+def _convert_tensors(reader: gguf.GGUFReader, arch: str, hf_names: dict[str, str],
+                     progress: bool) -> dict[str, np.ndarray]:
+    """Float tensors under their HF names; quantized 2-D tensors as canonical quantized parts
+    (`<linear>.qweight`, `.scales`, `.mins`: weights/gguf_quant.py) that keep the file's codes."""
     from tqdm import tqdm
+
+    from warmstart.weights.gguf_quant import canonical
 
     q_heads = _field(reader, f"{arch}.attention.head_count")
     permuted_heads = {"attn_q": q_heads, "attn_k": _field(reader, f"{arch}.attention.head_count_kv", q_heads)}
     tensors = {}
     bar = tqdm(reader.tensors, desc="Importing GGUF", unit="tensor", disable=not progress, file=sys.stderr)
     for t in bar:
+        kind = t.name.split(".")[-2]
+        unpermute = arch == "llama" and kind in permuted_heads  # only llama.cpp's llama converter permutes Q/K
+        if len(t.shape) == 2:
+            parts = canonical(t.data, t.tensor_type, int(t.shape[1]), int(t.shape[0]))
+            if parts is not None:
+                prefix = hf_names[t.name].removesuffix(".weight")
+                for part, a in parts.items():   # rows are output channels in every part: permute them alike
+                    tensors[f"{prefix}.{part}"] = _unpermute(a, permuted_heads[kind]) if unpermute else a
+                continue
         try:
             w = gguf.quants.dequantize(t.data, t.tensor_type)  # float32, already in HF [out, in] order
         except NotImplementedError as e:
             raise UserError(f"Tensor {t.name} uses quantization {t.tensor_type.name}, which the gguf package "
                             "cannot dequantize. Use a GGUF file with another quantization.") from e
         w = np.array(w, dtype=np.float32, order="C")  # own copy: F32 tensors are read-only views of the file
-        kind = t.name.split(".")[-2]
-        if arch == "llama" and kind in permuted_heads:  # only llama.cpp's llama converter permutes Q/K
+        if unpermute:
             w = _unpermute(w, permuted_heads[kind])
         tensors[hf_names[t.name]] = w
     return tensors

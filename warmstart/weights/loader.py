@@ -15,6 +15,7 @@ from torch import nn
 from tqdm import tqdm
 
 from warmstart.errors import UserError
+from warmstart.weights.quantize import checkpoint_kind, postprocess, resolve
 
 _SAMPLES, _WINDOW = 16, 4096
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -66,9 +67,10 @@ def checkpoint_identity(model_dir: Path) -> list[dict]:
 
 
 def load_tensors(model_dir: Path, dtype: torch.dtype, device: torch.device | str = "cpu",
-                 progress: bool = True) -> dict[str, torch.Tensor]:
-    """Every checkpoint tensor, converted to dtype (floating tensors only) and placed on device.
-    A tensor already in dtype on CPU is returned as an mmap-backed view: no copy, pages fault in on first use."""
+                 progress: bool = True, quantization: str = "auto") -> dict[str, torch.Tensor]:
+    """Every checkpoint tensor, converted to dtype (floating tensors only), quantized or dequantized per
+    `quantization` (weights/quantize.py), and placed on device. A tensor already in dtype on CPU that needs no
+    post-processing is returned as an mmap-backed view: no copy, pages fault in on first use."""
     files = checkpoint_files(model_dir)
     out: dict[str, torch.Tensor] = {}
     # tqdm's delay shows the bar only when loading is slow enough to need one.
@@ -80,22 +82,35 @@ def load_tensors(model_dir: Path, dtype: torch.dtype, device: torch.device | str
                 with safe_open(str(f), framework="pt") as fh:
                     for name in fh.keys():
                         t = fh.get_tensor(name)
-                        if t.is_floating_point() and t.dtype != dtype:
+                        if t.is_floating_point() and t.dtype != dtype and not _quant_part(name):
                             t = t.to(dtype)
-                        out[name] = t.to(device) if str(device) != "cpu" else t
+                        out[name] = t
                         bar.update(t.numel() * t.element_size())
             except SafetensorError as e:
                 raise UserError(f"{f} is not a valid safetensors file ({e}). The checkpoint is corrupt or "
                                 "truncated; download or convert it again.") from None
     finally:
         bar.close()
-    return out
+    if quantization != "none" or checkpoint_kind(out) == "quantized":
+        if str(device) != "cpu" and resolve(quantization, out) != "none":
+            raise UserError("Quantized weights run on CPU kernels only; on a GPU use --quantization none.")
+        out = postprocess(out, dtype, quantization)
+    return {n: t.to(device) for n, t in out.items()} if str(device) != "cpu" else out
+
+
+def _quant_part(name: str) -> bool:
+    """Canonical quantized tensors keep their dtypes (scales stay float32 until prepare rounds them)."""
+    return name.rpartition(".")[2] in ("qweight", "scales", "mins")
 
 
 def bind_weights(model: nn.Module, tensors: dict[str, torch.Tensor], tied: dict[str, str]) -> None:
     """Make the tensors the model's parameters, in O(tensors): no copies, no init. The model was built on meta.
     Fails if any parameter is left unbound or any tensor is left unused, so a half-bound model can never run."""
-    used: set[str] = set()
+    from warmstart.models.quant import bind_quantized
+    try:
+        used = bind_quantized(model, tensors, tied)
+    except (ValueError, AttributeError) as e:
+        raise UserError(f"The checkpoint's quantized tensors do not fit the model ({e}); re-import it.") from None
     for name, param in list(model.named_parameters(remove_duplicate=False)):
         source = name if name in tensors or name not in tied else tied[name]
         if source not in tensors:
@@ -119,6 +134,8 @@ def bind_weights(model: nn.Module, tensors: dict[str, torch.Tensor], tied: dict[
         # Tie by identity even when the checkpoint also stored lm_head, exactly as transformers does.
         for name, source in tied.items():
             module_name, _, attr = name.rpartition(".")
+            if attr not in model.get_submodule(module_name)._parameters:
+                continue            # quantized: bind_quantized tied it, or it keeps its own quantized weight
             src_mod, _, src_attr = source.rpartition(".")
             model.get_submodule(module_name)._parameters[attr] = model.get_submodule(src_mod)._parameters[src_attr]
 

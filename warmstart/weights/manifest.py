@@ -20,7 +20,7 @@ from warmstart.errors import UserError
 
 # What load_tensors does after reading the checkpoint. Bump it whenever the disk path's post-processing changes,
 # so that a daemon started by an older build can never serve bytes the new disk path would not produce.
-POST_PROCESSING = "safetensors;floating->dtype;v1"
+POST_PROCESSING = "safetensors;floating->dtype;v2"
 # CPU regions are mmapped and tensors viewed at these offsets; 64 bytes is a cache line and covers every dtype's
 # alignment. CUDA arenas use 256 so that every tensor starts where the caching allocator would have put it.
 ALIGN = {"cpu": 64, "cuda": 256}
@@ -71,8 +71,16 @@ class CacheKey:
         return cls(**d)
 
 
+def post_processing(quantization: str) -> str:
+    """POST_PROCESSING plus what quantization adds: its mode and, since the int4 kernel's packing is ISA-specific,
+    the CPU capability the tensors were packed for."""
+    if quantization in ("auto", "none"):
+        return f"{POST_PROCESSING};quantization={quantization}"
+    return f"{POST_PROCESSING};quantization={quantization};isa={torch.backends.cpu.get_cpu_capability()}"
+
+
 def build_cache_key(model_dir: Path, dtype: torch.dtype, role: str, device_id: str, *, rank: int = 0,
-                    world_size: int = 1) -> CacheKey:
+                    world_size: int = 1, quantization: str = "auto") -> CacheKey:
     """The key for serving model_dir in dtype on device_id. Reads only headers and config.json (milliseconds)."""
     import warmstart
     from warmstart.models.spec import ModelSpec
@@ -80,7 +88,7 @@ def build_cache_key(model_dir: Path, dtype: torch.dtype, role: str, device_id: s
     ident = json.dumps(checkpoint_identity(model_dir), sort_keys=True).encode()
     return CacheKey(checkpoint=hashlib.sha256(ident).hexdigest(),
                     architecture=ModelSpec.from_dir(model_dir).architecture, dtype=dtype_name(dtype), role=role,
-                    post_processing=POST_PROCESSING, warmstart_version=warmstart.__version__,
+                    post_processing=post_processing(quantization), warmstart_version=warmstart.__version__,
                     torch_version=torch.__version__, rank=rank, world_size=world_size, device=device_id)
 
 

@@ -46,16 +46,21 @@ def load_weights(model_dir: Path, dtype: torch.dtype, device: torch.device, *, r
     charges = ExternalCharges() if charges is None else charges
     fmt = "disk" if config is None else config.load_format
     if fmt == "disk":
-        return _from_disk(model_dir, dtype, device, charges)
+        return _from_disk(model_dir, dtype, device, charges, _quantization(config))
     from warmstart.weights import client     # only a boot that may use a daemon pays for its imports
     path = client.resolve_socket(config.weight_socket, torch.device(device), role)
     if fmt == "auto" and not os.path.lexists(path):
-        return _from_disk(model_dir, dtype, device, charges)
+        return _from_disk(model_dir, dtype, device, charges, config.quantization)
     return _from_daemon(model_dir, dtype, torch.device(device), role, config, charges, path)
 
 
-def _from_disk(model_dir: Path, dtype: torch.dtype, device, charges: ExternalCharges) -> LoadedWeights:
-    tensors = load_tensors(model_dir, dtype, device)
+def _quantization(config) -> str:
+    return "auto" if config is None else config.quantization
+
+
+def _from_disk(model_dir: Path, dtype: torch.dtype, device, charges: ExternalCharges,
+               quantization: str = "auto") -> LoadedWeights:
+    tensors = load_tensors(model_dir, dtype, device, quantization=quantization)
     return LoadedWeights(tensors, weights_nbytes(tensors), charges, "disk")
 
 
@@ -69,7 +74,7 @@ def _from_daemon(model_dir: Path, dtype: torch.dtype, device: torch.device, role
     t0 = time.perf_counter()
     try:
         key = build_cache_key(model_dir, dtype, role, device_id(device), rank=config.rank,
-                              world_size=config.world_size)
+                              world_size=config.world_size, quantization=config.quantization)
         with client.DaemonSession(path) as session:
             hello = session.open()
             # The daemon's bytes are charged as soon as it reports them: before anything is mapped, and so
@@ -96,7 +101,7 @@ def _fall_back(failure, model_dir: Path, dtype: torch.dtype, device: torch.devic
         raise UserError(_explain(failure, model_dir, dtype, role, socket_id)) from None
     log.warning("weights: not using the daemon at %s for the %s model (%s); loading from disk", socket_id, role,
                 failure.reason)
-    loaded = _from_disk(model_dir, dtype, device, charges)
+    loaded = _from_disk(model_dir, dtype, device, charges, config.quantization)
     if charged:
         # Only now that our own copy exists: remove exactly this source's charge, once. Leaving it would charge
         # the same weights twice (ours and the daemon's) and shrink the KV cache for nothing.

@@ -1,0 +1,108 @@
+"""Quantized linears against their dequantized reference, and GGUF block decoders against the gguf package."""
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from warmstart.models import quant
+from warmstart.weights.gguf_quant import Q, canonical
+from warmstart.weights.quantize import postprocess
+
+# Kernels take bfloat16 activations (8 bits of mantissa): outputs agree with the float32 reference to about 2^-8 of
+# the output scale. Stated per output as a fraction of the largest |reference| output.
+REL_TOL = 1.5e-2
+
+
+def _check_linear(canon: dict, n: int, k: int, bias: torch.Tensor | None = None):
+    ready = quant.prepare(canon)
+    tensors = {f"l.{name}": t for name, t in ready.items()}
+    if bias is not None:
+        tensors["l.bias"] = bias
+    module = quant.make_linear(tensors, "l", k, n)
+    # The dequantized weight the kernel multiplies by equals the canonical weight up to bfloat16 scales.
+    ref_w = quant.dequantize(canon)
+    assert module.dequantized().shape == (n, k)
+    assert torch.allclose(module.dequantized(), ref_w, atol=1e-2 * ref_w.abs().max().item(), rtol=0)
+    for rows in (1, 5, 33):
+        x = torch.randn(rows, k)
+        y, ref = module(x), quant.reference_linear(module, x)
+        assert y.shape == (rows, n) and y.dtype == x.dtype
+        assert (y - ref).abs().max() <= REL_TOL * ref.abs().max(), (rows, (y - ref).abs().max())
+
+
+@pytest.mark.parametrize("n,k", [(16, 32), (7, 64), (33, 96), (192, 576), (1, 32)])
+def test_int8_linear_matches_reference(n, k):
+    torch.manual_seed(n * k)
+    _check_linear(quant.quantize_int8(torch.randn(n, k)), n, k, bias=torch.randn(n))
+
+
+@pytest.mark.parametrize("n,k", [(16, 32), (7, 64), (33, 96), (192, 576), (1, 32)])
+def test_int4_linear_matches_reference(n, k):
+    torch.manual_seed(n * k)
+    _check_linear(quant.quantize_int4(torch.randn(n, k)), n, k)
+
+
+def test_int4_groups_are_independent():
+    """A huge value in one group must not change another group's codes (group boundaries are right)."""
+    w = torch.randn(16, 96)
+    w2 = w.clone()
+    w2[:, 40] = 1000.0                                   # group 1 only (features 32..63)
+    a, b = quant.quantize_int4(w), quant.quantize_int4(w2)
+    qa, qb = quant.unpack_nibbles(a["qweight"]), quant.unpack_nibbles(b["qweight"])
+    assert torch.equal(qa[:, :32], qb[:, :32]) and torch.equal(qa[:, 64:], qb[:, 64:])
+    assert not torch.equal(qa[:, 32:64], qb[:, 32:64])
+    assert torch.allclose(quant.dequantize(a)[:, 64:], w[:, 64:], atol=0.5)
+
+
+def test_nibble_packing_round_trips():
+    q = torch.randint(0, 16, (5, 64), dtype=torch.uint8)
+    assert torch.equal(quant.unpack_nibbles(quant.pack_nibbles(q)), q)
+
+
+def _gguf_blocks(qtype, rows: int, cols: int, rng) -> np.ndarray:
+    if qtype == Q.Q4_K:   # the gguf package cannot quantize K-quants: random blocks with sane fp16 scales
+        raw = rng.integers(0, 256, (rows, cols // 256, 144), dtype=np.uint8)
+        raw[..., 0:2] = np.array([0.01], np.float16).view(np.uint8)
+        raw[..., 2:4] = np.array([0.004], np.float16).view(np.uint8)
+        return raw.reshape(rows, -1)
+    return gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q8_0])
+def test_gguf_exact_formats_decode_like_gguf(qtype):
+    rng = np.random.default_rng(int(qtype))
+    rows, cols = 6, 512
+    raw = _gguf_blocks(qtype, rows, cols, rng)
+    ref = np.asarray(gguf.quants.dequantize(raw, qtype), dtype=np.float32).reshape(rows, cols)
+    parts = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in canonical(raw, qtype, rows, cols).items()}
+    assert np.array_equal(quant.dequantize(parts).numpy(), ref)          # exact: the file's codes and scales
+    expected_bits = 4 if qtype != Q.Q8_0 else 8
+    assert parts["qweight"].numel() * 8 == rows * cols * expected_bits
+
+
+@pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q5_1])
+def test_gguf_other_formats_requantize_to_int8(qtype):
+    rng = np.random.default_rng(1)
+    raw = _gguf_blocks(qtype, 4, 256, rng)
+    ref = np.asarray(gguf.quants.dequantize(raw, qtype), dtype=np.float32).reshape(4, 256)
+    parts = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in canonical(raw, qtype, 4, 256).items()}
+    assert parts["qweight"].dtype == torch.int8 and parts["scales"].shape == (4,)
+    err = np.abs(quant.dequantize(parts).numpy() - ref)
+    assert (err <= np.abs(ref).max(axis=1, keepdims=True) / 254 + 1e-6).all()   # half an int8 step per row
+
+
+def test_postprocess_modes_keep_names_and_shrink_bytes():
+    torch.manual_seed(0)
+    t = {"model.embed_tokens.weight": torch.randn(64, 96), "model.layers.0.mlp.up_proj.weight": torch.randn(224, 96),
+         "model.layers.0.mlp.down_proj.weight": torch.randn(96, 224), "model.norm.weight": torch.ones(96)}
+    none = postprocess(dict(t), torch.float32, "none")
+    assert none.keys() == t.keys()
+    int8 = postprocess(dict(t), torch.float32, "int8")
+    # tied (no lm_head): the embedding is quantized once, as the LM head's int8 table
+    assert "model.embed_tokens.qweight" in int8 and "model.embed_tokens.weight" not in int8
+    int4 = postprocess(dict(t), torch.float32, "int4")
+    assert "model.layers.0.mlp.up_proj.scales_zeros" in int4
+    assert "model.layers.0.mlp.down_proj.scales_zeros" in int4
+    assert "model.embed_tokens.scales" in int4            # LM head / tied embedding stay int8
+    nbytes = lambda d: sum(v.numel() * v.element_size() for v in d.values())
+    assert nbytes(int4) < nbytes(int8) < nbytes(none)

@@ -1,0 +1,102 @@
+"""CPU threads that behave on a shared host: how many, and how idle OpenMP workers wait.
+
+torch's CPU build uses GNU OpenMP (libgomp), which reads OMP_WAIT_POLICY and GOMP_SPINCOUNT once, when torch's
+shared library loads. So `configure` must run before the first `import torch` to choose the wait policy; the
+thread count can still be set afterwards.
+
+Why passive by default: libgomp's default spins for a while at the end of every parallel region. On a host where
+other processes take a core, a spinning worker that lost its core makes every later region wait for it. Measured
+on a 2-core host at load average ~5 (shared/research/peers.md, finding 1; `benchmarks/decode.py --under-load`
+repeats it): a 2-thread 576x1536 fp32 linear took 7-25 ms with active waiting vs 0.2-1.3 ms passive, and a
+plan-hit boot 17.2 s vs 4.3 s; on a quiet host the two policies are equal (1.64 vs 1.66 s). Passive costs nothing
+when quiet and saves 3-4x when not. A user's own OMP_WAIT_POLICY in the environment wins.
+
+No torch import here: this module runs before torch exists in the process."""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("warmstart")
+
+DEFAULT_WAIT_POLICY = "PASSIVE"
+
+
+@dataclass(frozen=True)
+class ThreadSettings:
+    """What the process runs with (reported in the startup report under `threads`)."""
+    threads: int                  # intra-op threads torch uses
+    available_cpus: int           # cores this process may use (affinity mask and cgroup quota)
+    wait_policy: str              # OMP_WAIT_POLICY in force when torch's OpenMP runtime loaded
+    policy_source: str            # "warmstart default" | "environment" | "set after torch loaded (no effect)"
+
+    def to_dict(self) -> dict:
+        return {"threads": self.threads, "available_cpus": self.available_cpus, "wait_policy": self.wait_policy,
+                "policy_source": self.policy_source}
+
+
+def available_cpus() -> int:
+    """Cores this process may run on: its affinity mask, further limited by a cgroup CPU quota (containers)."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    quota = _cgroup_quota()
+    return max(1, min(n, math.ceil(quota))) if quota else max(1, n)
+
+
+def _cgroup_quota() -> float | None:
+    """CPUs allowed by the cgroup (v2 cpu.max, or v1 cfs quota/period); None when unlimited or unknown."""
+    try:
+        text = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        if text and text[0] != "max":
+            return int(text[0]) / int(text[1])
+        return None
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        quota = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").read_text())
+        period = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read_text())
+        return quota / period if quota > 0 and period > 0 else None
+    except (OSError, ValueError):
+        return None
+
+
+_settings: ThreadSettings | None = None
+
+
+def configure(threads: int | None = None) -> ThreadSettings:
+    """Choose the thread count (default: available_cpus()) and, if torch has not loaded yet, the OpenMP wait
+    policy. Idempotent; a later call with another count only changes the count."""
+    global _settings
+    avail = available_cpus()
+    n = threads if threads is not None else avail
+    torch_loaded = "torch" in sys.modules
+    if _settings is not None:
+        source, policy = _settings.policy_source, _settings.wait_policy
+    elif "OMP_WAIT_POLICY" in os.environ:
+        source, policy = "environment", os.environ["OMP_WAIT_POLICY"].upper()
+    elif torch_loaded:
+        source, policy = "set after torch loaded (no effect)", "ACTIVE (libgomp default)"
+        log.warning("torch was imported before warmstart could choose the OpenMP wait policy; idle threads will "
+                    "spin, which is slow on a busy host. Set OMP_WAIT_POLICY=PASSIVE before importing torch.")
+    else:
+        source, policy = "warmstart default", DEFAULT_WAIT_POLICY
+        os.environ["OMP_WAIT_POLICY"] = policy
+    if not torch_loaded:
+        os.environ["OMP_NUM_THREADS"] = str(n)
+    else:
+        import torch
+        if torch.get_num_threads() != n:
+            torch.set_num_threads(n)
+    _settings = ThreadSettings(n, avail, policy, source)
+    return _settings
+
+
+def current() -> ThreadSettings:
+    """The settings in force (configuring the defaults if nobody has yet)."""
+    return _settings if _settings is not None else configure()

@@ -1,0 +1,71 @@
+"""Quantization as a load-time post-processing step: checkpoint tensors -> the tensors the model binds.
+
+`--quantization` (EngineConfig.quantization):
+    auto  a quantized checkpoint (an imported GGUF) keeps its own formats; a float checkpoint stays float
+    none  everything float in --dtype (a quantized checkpoint is dequantized: its exact values, in more bytes)
+    int8  float checkpoint -> every linear, and the LM head, int8 per output row
+    int4  float checkpoint -> every linear int4 in groups of 32 (models/quant.py); the LM head (and a tied
+          embedding) int8, as llama.cpp keeps its output layer at higher precision
+The output is always kernel-ready (models/quant.prepare), so a weight daemon serves exactly what a disk load binds.
+A tied embedding is quantized once, under the embedding's name, and the LM head shares it."""
+from __future__ import annotations
+
+import torch
+
+from warmstart.errors import UserError
+from warmstart.models import quant
+
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
+EMBED = "model.embed_tokens"
+
+
+def checkpoint_kind(names) -> str:
+    """'quantized' if the checkpoint stores canonical quantized tensors, else 'float'."""
+    return "quantized" if any(n.endswith(".qweight") for n in names) else "float"
+
+
+def resolve(requested: str, names) -> str:
+    """The quantization a load applies: 'native' (keep the checkpoint's), 'none', 'int8' or 'int4'."""
+    kind = checkpoint_kind(names)
+    if requested == "auto":
+        return "native" if kind == "quantized" else "none"
+    if kind == "quantized" and requested in ("int8", "int4"):
+        raise UserError(f"--quantization {requested} asks to quantize a checkpoint that is already quantized "
+                        "(an imported GGUF). Use --quantization auto to serve its own formats, or none for float.")
+    return requested
+
+
+def postprocess(tensors: dict[str, torch.Tensor], dtype: torch.dtype, quantization: str) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors (floats already in dtype) -> the bound set, per resolve(quantization)."""
+    mode = resolve(quantization, tensors.keys())
+    prefixes = sorted({n[:-len(".qweight")] for n in tensors if n.endswith(".qweight")})
+    out = {n: t for n, t in tensors.items() if not _is_quant_part(n, prefixes)}
+    if mode == "none":
+        for p in prefixes:
+            part = {k: tensors[f"{p}.{k}"] for k in ("qweight", "scales", "mins") if f"{p}.{k}" in tensors}
+            out[f"{p}.weight"] = quant.dequantize(part).to(dtype)
+        return out
+    if mode == "native":
+        for p in prefixes:
+            part = {k: tensors[f"{p}.{k}"] for k in ("qweight", "scales", "mins") if f"{p}.{k}" in tensors}
+            out.update({f"{p}.{k}": v for k, v in quant.prepare(part).items()})
+        return out
+    for name in [n for n in out if _quantizable(n, out)]:
+        w = out.pop(name)
+        prefix = name[:-len(".weight")]
+        int4 = mode == "int4" and prefix not in ("lm_head", EMBED) and w.shape[1] % quant.GROUP_SIZE == 0
+        part = quant.quantize_int4(w) if int4 else quant.quantize_int8(w)
+        out.update({f"{prefix}.{k}": v for k, v in quant.prepare(part).items()})
+    return out
+
+
+def _is_quant_part(name: str, prefixes: list[str]) -> bool:
+    prefix, _, attr = name.rpartition(".")
+    return attr in ("qweight", "scales", "mins") and prefix in prefixes
+
+
+def _quantizable(name: str, tensors: dict[str, torch.Tensor]) -> bool:
+    """Linear weights, the LM head, and an embedding that doubles as the LM head (tied)."""
+    if name.endswith("_proj.weight") or name == "lm_head.weight":
+        return True
+    return name == f"{EMBED}.weight" and "lm_head.weight" not in tensors
