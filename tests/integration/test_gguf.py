@@ -331,10 +331,36 @@ def smollm2_dir(tmp_path_factory) -> Path:
     return folder
 
 
+def dequantized_hf_model(folder: Path) -> torch.nn.Module:
+    """transformers' model for an imported folder, with our canonical quantized tensors dequantized (the exact
+    values the GGUF stores): what --quantization none binds."""
+    from safetensors.torch import load_file as load_torch
+
+    from warmstart.weights.quantize import postprocess
+    tensors = postprocess(load_torch(folder / "model.safetensors"), torch.float32, "none")
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.float32).eval()
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    model.tie_weights()
+    return model
+
+
+@pytest.mark.slow
+def test_default_model_keeps_its_quantization(smollm2_dir):
+    from safetensors import safe_open
+    with safe_open(str(smollm2_dir / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    # Q4_1 linears as int4 parts, the Q8_0 embedding as int8 with its block scales; no float copy of either.
+    assert "model.layers.0.mlp.up_proj.mins" in names and "model.layers.0.mlp.up_proj.weight" not in names
+    assert "model.embed_tokens.qweight" in names and "model.embed_tokens.weight" not in names
+    size = (smollm2_dir / "model.safetensors").stat().st_size
+    assert size < 1.25 * wg.default_model_gguf().stat().st_size
+
+
 @pytest.mark.slow
 def test_default_model_answers_paris(smollm2_dir):
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
-    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    model = dequantized_hf_model(smollm2_dir)
     enc = tok.apply_chat_template(CHAT, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     with torch.inference_mode():
         out = model.generate(**enc, max_new_tokens=20, do_sample=False)
@@ -359,7 +385,7 @@ def test_default_model_second_call_is_cached(smollm2_dir):
 def test_default_model_logits_match_transformers_gguf_loader(smollm2_dir):
     pytest.importorskip("accelerate")  # transformers needs it to load a GGUF
     src = wg.default_model_gguf()
-    ours = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    ours = dequantized_hf_model(smollm2_dir)
     theirs = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32).eval()
     ids = AutoTokenizer.from_pretrained(smollm2_dir).apply_chat_template(
         CHAT, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]

@@ -456,3 +456,32 @@ def test_cuda_watchdog_fail_stops_when_the_daemon_dies():
     finally:
         engine.kill()
         stand_in.wait()
+
+
+def test_quantized_daemon_attach_equals_disk(ckpt, sockdir, tmp_path):
+    """An int4 daemon serves the kernel-ready quantized tensors: zero-copy attach gives the disk boot's weight bytes,
+    KV blocks and tokens; an engine asking for another quantization falls back to disk with key_mismatch."""
+    d = Daemon(ckpt, sockdir, "--dtype", "float32", "--quantization", "int4").wait_ready()
+    try:
+        sock = str(d.socket)
+        runs = {"disk": ["--load-format", "disk", "--quantization", "int4"],
+                "zero_copy": ["--load-format", "daemon", "--weight-socket", sock, "--quantization", "int4"],
+                "other": ["--load-format", "daemon", "--weight-socket", sock, "--quantization", "int8"]}
+        reports, texts = {}, {}
+        for name, args in runs.items():
+            p = generate(ckpt, tmp_path / f"{name}.json", *args)
+            out, err = p.communicate(timeout=180)
+            assert p.returncode == 0, f"{name}: {err}"
+            reports[name], texts[name] = json.loads((tmp_path / f"{name}.json").read_text()), out
+    finally:
+        d.stop()
+    disk, zc = reports["disk"], reports["zero_copy"]
+    assert zc["weights"]["source"] == "daemon-zero-copy"
+    assert zc["quantization"]["weight_bytes"] == disk["quantization"]["weight_bytes"] < \
+        weights_nbytes(load_tensors(ckpt, torch.float32, progress=False))
+    assert zc["memory"]["external_weights_bytes"] == disk["memory"]["weights_bytes"]
+    assert (zc["memory"]["num_kv_blocks"], zc["memory"]["kv_cache_bytes"]) == \
+        (disk["memory"]["num_kv_blocks"], disk["memory"]["kv_cache_bytes"])
+    assert zc["outputs"] == disk["outputs"] and texts["zero_copy"] == texts["disk"]
+    assert "post_processing" in reports["other"]["weights"]["fallback_reason"] or \
+        "key" in reports["other"]["weights"]["fallback_reason"]

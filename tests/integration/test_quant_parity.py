@@ -1,0 +1,129 @@
+"""End-to-end parity of quantized serving on tiny checkpoints. The reference is the same model with every
+quantized linear replaced by a float32 nn.Linear holding the weight the kernel multiplies by (the same quantized
+weights, dequantized: the same math), run without a KV cache. Greedy ids must be equal except at near-ties, and
+logits agree within LOGIT_TOL (the kernels take bfloat16 activations: ~2^-8 relative per linear)."""
+import copy
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from tests.checkpoints import write_checkpoint
+from warmstart import LLM, SamplingParams
+from warmstart.config import EngineConfig
+from warmstart.keys import plan_key
+from warmstart.models import quant
+from warmstart.models.spec import ModelSpec
+from warmstart.runner.attention import AttentionMeta, PagedAttentionBackend, SeqSlice
+from warmstart.startup.device import get_device
+
+LOGIT_TOL = 0.08
+PROMPTS = [[5, 17, 33, 100, 7], list(range(3, 40)), [42]]
+
+
+def dequantized_twin(model: nn.Module) -> nn.Module:
+    twin = copy.deepcopy(model)
+    for name, module in list(twin.named_modules()):
+        if isinstance(module, (quant.Int8Linear, quant.Int4Linear)):
+            lin = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
+            lin.weight = nn.Parameter(module.dequantized(), requires_grad=False)
+            if module.bias is not None:
+                lin.bias = nn.Parameter(module.bias.float(), requires_grad=False)
+            quant._set_module(twin, name, lin)
+        elif isinstance(module, quant.QuantEmbedding):
+            emb = nn.Embedding(module.table.out_features, module.table.in_features)
+            emb.weight = nn.Parameter(module.table.dequantized(), requires_grad=False)
+            quant._set_module(twin, name, emb)
+    return twin
+
+
+@torch.inference_mode()
+def full_logits(model: nn.Module, ids: list[int]) -> torch.Tensor:
+    """Logits at every position, no KV cache (the profiling path of the attention backend)."""
+    n = len(ids)
+    attn = PagedAttentionBackend(None, 0)
+    attn.meta = AttentionMeta(torch.empty(0), [SeqSlice(0, n, n, torch.empty(0))])
+    hidden = model(torch.tensor(ids), torch.arange(n), attn)
+    return model.compute_logits(hidden).float()
+
+
+def greedy_reference(model: nn.Module, prompt: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
+    ids, rows = list(prompt), []
+    for _ in range(steps):
+        row = full_logits(model, ids)[-1]
+        rows.append(row)
+        ids.append(int(row.argmax()))
+    return ids[len(prompt):], rows
+
+
+def check_parity(llm: LLM, steps: int = 12) -> None:
+    model = llm.booted.runner.model
+    twin = dequantized_twin(model)
+    assert any(isinstance(m, (quant.Int8Linear, quant.Int4Linear)) for m in model.modules())
+    for prompt in PROMPTS:
+        ours, ref = full_logits(model, prompt), full_logits(twin, prompt)
+        assert (ours - ref).abs().max() <= LOGIT_TOL, (ours - ref).abs().max()
+    outs = llm.generate_ids(PROMPTS, SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True))
+    for prompt, out in zip(PROMPTS, outs):
+        ref_ids, rows = greedy_reference(twin, prompt, steps)
+        for i, (a, b) in enumerate(zip(out.output_token_ids, ref_ids)):
+            if a != b:   # allowed only where the reference's top two are within the tolerance: a near-tie
+                top2 = rows[i].topk(2).values
+                assert top2[0] - top2[1] <= 2 * LOGIT_TOL, (prompt, i, a, b, top2)
+                break
+
+
+@pytest.mark.parametrize("family", ["llama", "llama-untied-hd", "qwen2"])
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_checkpoint_matches_its_dequantized_reference(family, quantization, tmp_path):
+    d = write_checkpoint(tmp_path / family, family, layers=2)
+    llm = LLM(str(d), kv_cache_memory=16 * 2**20, max_model_len=256, dtype="float32", startup_plan="off",
+              quantization=quantization)
+    check_parity(llm)
+    float_llm = LLM(str(d), kv_cache_memory=16 * 2**20, max_model_len=256, dtype="float32", startup_plan="off")
+    assert llm.booted.ledger.weights_bytes < float_llm.booted.ledger.weights_bytes
+
+
+class QuantizingWriter(gguf.GGUFWriter):
+    """test_gguf's writer, but every linear goes in as QTYPE and the embedding as Q8_0, quantized by the gguf
+    package itself (as llama.cpp's quantize tool would)."""
+    QTYPE = gguf.GGMLQuantizationType.Q4_0
+
+    def add_tensor(self, name, a, **kw):
+        if a.ndim == 2:
+            qt = gguf.GGMLQuantizationType.Q8_0 if name.startswith("token_embd") else self.QTYPE
+            return super().add_tensor(name, gguf.quants.quantize(a.astype(np.float32), qt),
+                                      raw_dtype=qt)
+        return super().add_tensor(name, a, **kw)
+
+
+@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1])
+def test_gguf_keeps_its_quantization_end_to_end(qtype, tmp_path, monkeypatch):
+    from tests.integration import test_gguf as tg
+    tok = tg.tiny_tokenizer()
+    src = tmp_path / "tiny.gguf"
+    monkeypatch.setattr(QuantizingWriter, "QTYPE", qtype)
+    monkeypatch.setattr(gguf, "GGUFWriter", QuantizingWriter)
+    tg.write_gguf(src, tg.tiny_model("llama", tok.get_vocab_size()), "llama", tok)
+    monkeypatch.undo()
+    common = dict(kv_cache_memory=16 * 2**20, max_model_len=256, dtype="float32", startup_plan="off",
+                  cache_dir=tmp_path / "cache")
+    native = LLM(str(src), **common)
+    check_parity(native)
+    reader = gguf.GGUFReader(str(src))
+    file_bytes = sum(int(t.n_bytes) for t in reader.tensors)
+    assert native.booted.ledger.weights_bytes <= 1.25 * file_bytes
+    assert native.booted.report.to_dict()["quantization"]["linears"]["int4"] == 2 * 7
+    dense = LLM(str(src), quantization="none", **common)
+    assert dense.booted.ledger.weights_bytes > 3 * native.booted.ledger.weights_bytes
+
+
+def test_plan_key_names_quantization(tmp_path):
+    d = write_checkpoint(tmp_path / "m", "llama")
+    facts = get_device("cpu").facts()
+    spec = ModelSpec.from_dir(d)
+    a = plan_key(EngineConfig(model=str(d)), d, spec, facts)
+    b = plan_key(EngineConfig(model=str(d), quantization="int4"), d, spec, facts)
+    assert b.diff(a.components) == ["quantization auto -> int4"]
