@@ -24,7 +24,10 @@
 
 namespace {
 
-constexpr int64_t kTile = 64;  // context positions per online-softmax step (K tile of 64 x 128 fp32 = 32 KiB)
+constexpr int64_t kMaxTile = 64;  // context positions per online-softmax step
+// Tile length for head_dim d: K and V tiles (converted ones live in scratch) stay around 32 KiB, i.e. in L1/L2 while
+// the G query heads of the group reuse them.
+inline int64_t tile_for(int64_t d) { return std::max<int64_t>(8, std::min<int64_t>(kMaxTile, 4096 / std::max<int64_t>(d, 1))); }
 
 // ---- loads: a row of D cache elements -> fp32 ----------------------------------------------------------------------
 inline void load_row(const float* src, float* dst, int64_t d) { std::memcpy(dst, src, d * sizeof(float)); }
@@ -75,9 +78,67 @@ inline float dot(const float* a, const float* b, int64_t d) {
   return s;
 }
 
-// acc[0..d) = acc * c + w * v  (plain loop: -O3 vectorizes it, no reduction involved)
-inline void axpy(float* __restrict acc, float w, const float* __restrict v, int64_t d) {
-  for (int64_t i = 0; i < d; ++i) acc[i] += w * v[i];
+#if WS_AVX2
+// Four dot products of q with rows k0..k3 at once (independent FMA chains, one combined horizontal sum).
+inline __m128 dot4(const float* q, const float* k0, const float* k1, const float* k2, const float* k3, int64_t d) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= d; i += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + i);
+    a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i), a0);
+    a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + i), a1);
+    a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + i), a2);
+    a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + i), a3);
+  }
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  __m128 r = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+  if (i < d) {  // head_dim not a multiple of 8
+    alignas(16) float tail[4] = {0.f, 0.f, 0.f, 0.f};
+    for (; i < d; ++i) {
+      tail[0] += q[i] * k0[i];
+      tail[1] += q[i] * k1[i];
+      tail[2] += q[i] * k2[i];
+      tail[3] += q[i] * k3[i];
+    }
+    r = _mm_add_ps(r, _mm_load_ps(tail));
+  }
+  return r;
+}
+
+// acc[d0 .. d0 + 8*NV) += sum_j p[j] * v[j][same range], the accumulator held in NV registers across the tile.
+template <int NV>
+inline void pv_block(float* acc, const float* p, const float* const* v, int64_t n, int64_t d0) {
+  __m256 a[NV];
+  for (int k = 0; k < NV; ++k) a[k] = _mm256_loadu_ps(acc + d0 + 8 * k);
+  for (int64_t j = 0; j < n; ++j) {
+    const __m256 pj = _mm256_set1_ps(p[j]);
+    const float* vj = v[j] + d0;
+    for (int k = 0; k < NV; ++k) a[k] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * k), a[k]);
+  }
+  for (int k = 0; k < NV; ++k) _mm256_storeu_ps(acc + d0 + 8 * k, a[k]);
+}
+#endif
+
+// s[j] = q . k[j] for j < n
+inline void scores(const float* q, const float* const* k, float* s, int64_t n, int64_t d) {
+  int64_t j = 0;
+#if WS_AVX2
+  for (; j + 4 <= n; j += 4) _mm_storeu_ps(s + j, dot4(q, k[j], k[j + 1], k[j + 2], k[j + 3], d));
+#endif
+  for (; j < n; ++j) s[j] = dot(q, k[j], d);
+}
+
+// acc[0..d) += sum_j p[j] * v[j][0..d)
+inline void pv(float* __restrict acc, const float* p, const float* const* v, int64_t n, int64_t d) {
+  int64_t d0 = 0;
+#if WS_AVX2
+  for (; d0 + 64 <= d; d0 += 64) pv_block<8>(acc, p, v, n, d0);
+  for (; d0 + 32 <= d; d0 += 32) pv_block<4>(acc, p, v, n, d0);
+  for (; d0 + 8 <= d; d0 += 8) pv_block<1>(acc, p, v, n, d0);
+#endif
+  if (d0 < d)
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t i = d0; i < d; ++i) acc[i] += p[j] * v[j][i];
 }
 
 inline void scale_row(float* acc, float c, int64_t d) {
@@ -140,14 +201,15 @@ void run(const float* q, float* out, const T* kc, const T* vc, const int32_t* bt
     thread_local Scratch sc;
     sc.q.resize(G * D);
     sc.acc.resize(G * D);
-    sc.kt.resize(kTile * D);
-    sc.vt.resize(kTile * D);
-    sc.s.resize(kTile + 8);
-    sc.p.resize(kTile + 8);
+    const int64_t tile = tile_for(D);
+    sc.kt.resize(tile * D);
+    sc.vt.resize(tile * D);
+    sc.s.resize(tile + 8);
+    sc.p.resize(tile + 8);
     sc.m.resize(G);
     sc.l.resize(G);
-    const float* krow[kTile];
-    const float* vrow[kTile];
+    const float* krow[kMaxTile];
+    const float* vrow[kMaxTile];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t t = task / Hkv, g = task % Hkv;
       const int64_t ctx = ctx_lens[t];
@@ -157,8 +219,8 @@ void run(const float* q, float* out, const T* kc, const T* vc, const int32_t* bt
       std::fill(sc.acc.begin(), sc.acc.end(), 0.f);
       std::fill(sc.m.begin(), sc.m.end(), -std::numeric_limits<float>::infinity());
       std::fill(sc.l.begin(), sc.l.end(), 0.f);
-      for (int64_t p0 = 0; p0 < ctx; p0 += kTile) {
-        const int64_t n = std::min(kTile, ctx - p0);
+      for (int64_t p0 = 0; p0 < ctx; p0 += tile) {
+        const int64_t n = std::min(tile, ctx - p0);
         // Row pointers for this tile's positions (fp32 caches are read in place; others are converted once per group).
         for (int64_t j = 0; j < n; ++j) {
           const int64_t pos = p0 + j;
@@ -178,11 +240,9 @@ void run(const float* q, float* out, const T* kc, const T* vc, const int32_t* bt
         for (int64_t i = 0; i < G; ++i) {
           const float* qi = sc.q.data() + i * D;
           float* s = sc.s.data();
+          scores(qi, krow, s, n, D);
           float mt = -std::numeric_limits<float>::infinity();
-          for (int64_t j = 0; j < n; ++j) {
-            s[j] = dot(qi, krow[j], D);
-            mt = std::max(mt, s[j]);
-          }
+          for (int64_t j = 0; j < n; ++j) mt = std::max(mt, s[j]);
           const float mnew = std::max(sc.m[i], mt);
           float* acc = sc.acc.data() + i * D;
           if (mnew > sc.m[i] && sc.l[i] > 0.f) {
@@ -193,7 +253,7 @@ void run(const float* q, float* out, const T* kc, const T* vc, const int32_t* bt
           sc.m[i] = mnew;
           float* p = sc.p.data();
           sc.l[i] += exp_sum(s, p, n, mnew);
-          for (int64_t j = 0; j < n; ++j) axpy(acc, p[j], vrow[j], D);
+          pv(acc, p, vrow, n, D);
         }
       }
       float* og = out + (t * H + g * G) * D;
