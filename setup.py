@@ -47,13 +47,13 @@ except Exception as e:  # noqa: BLE001 - no torch in this build environment: no 
     print(f"warmstart: torch not importable here ({e!r}); skipping the paged-attention kernel", file=sys.stderr)
 else:
     class SafeBuildExtension(BuildExtension):
-        """A compile failure degrades to the pure-torch fallback instead of failing the install."""
+        """A compile failure (or no usable compiler) degrades to the pure-torch fallback instead of failing."""
 
-        def build_extension(self, ext):
+        def run(self):
             try:
-                super().build_extension(ext)
+                super().run()
             except Exception as e:  # noqa: BLE001
-                msg = f"building {ext.name} failed: {type(e).__name__}: {e}"
+                msg = f"building warmstart.kernels._paged failed: {type(e).__name__}: {e}"
                 print(f"warmstart: {msg}; the pure-torch paged attention will be used", file=sys.stderr)
                 _record_error(msg)
             else:

@@ -10,6 +10,7 @@ cache[block_tables[s, p // block_size], p % block_size]. Query t (of sequence se
 0..ctx_lens[t]-1, so a chunk of new tokens at positions c..c+n-1 passes ctx_lens c+1..c+n (causal)."""
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import platform
@@ -46,7 +47,7 @@ def _load_native():
         if missing:
             return None, f"CPU lacks {', '.join(missing)} (the kernel is built for x86-64-v3)"
     try:
-        from . import _paged  # type: ignore[attr-defined]
+        native = importlib.import_module(__name__ + "._paged")
     except ImportError as e:
         reason = f"extension not built ({e})"
         err = os.path.join(os.path.dirname(__file__), "_build_error.txt")
@@ -54,7 +55,7 @@ def _load_native():
             with open(err) as f:
                 reason += f"; last build: {f.read().strip()}"
         return None, reason
-    return _paged, None
+    return native, None
 
 
 _native, NATIVE_UNAVAILABLE_REASON = _load_native()
