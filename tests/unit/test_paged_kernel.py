@@ -103,7 +103,7 @@ def test_low_precision_matches_reference(impl, dtype, cache_dtype, bs):
 
 @pytest.mark.parametrize("impl", IMPLS.values(), ids=IMPLS.keys())
 def test_single_query(impl):
-    case = make_case([(300, 1)], H=9, Hkv=3, D=64, bs=16, seed=3)
+    case = make_case([(1100, 1)], H=9, Hkv=3, D=64, bs=16, seed=3)            # split into 3 chunks
     torch.testing.assert_close(impl(*case, 0.3).double(), reference(*case, 0.3), **TOL[torch.float32])
 
 
@@ -123,6 +123,14 @@ def test_64_queries_chunk_over_prefix(impl):
     torch.testing.assert_close(impl(*case, 0.09).double(), reference(*case, 0.09), **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("impl", IMPLS.values(), ids=IMPLS.keys())
+@pytest.mark.parametrize("D", [24, 64])
+def test_long_context_chunks_merge(impl, D):
+    # contexts past the kernel's 512-position split, exactly at it, one past it; a chunk of queries straddling it
+    case = make_case([(1024, 1), (512, 1), (513, 1), (530, 30)], H=8, Hkv=2, D=D, bs=16, seed=D)
+    torch.testing.assert_close(impl(*case, 0.2).double(), reference(*case, 0.2), **TOL[torch.float32])
+
+
 @native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_native_matches_fallback(dtype):
@@ -134,7 +142,7 @@ def test_native_matches_fallback(dtype):
 
 @native
 def test_native_same_result_with_any_thread_count():
-    case = make_case([(500, 1), (70, 2), (33, 1)], H=9, Hkv=3, D=64, bs=16, seed=2)
+    case = make_case([(1300, 1), (70, 2), (33, 1)], H=9, Hkv=3, D=64, bs=16, seed=2)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

@@ -192,12 +192,34 @@ struct Scratch {
   std::vector<float> q, acc, kt, vt, s, p, m, l;
 };
 
+// Long contexts are split into chunks of kSplit positions, each its own task, merged afterwards (flash-decoding): a
+// decode batch of one still spreads over the threads. The split depends only on ctx_lens, never on the thread count,
+// so results do not change with it.
+constexpr int64_t kSplit = 512;
+
 template <typename T>
 void run(const float* q, float* out, const T* kc, const T* vc, const int32_t* bt, const int32_t* seq_idx,
          const int32_t* ctx_lens, int64_t T_, int64_t H, int64_t Hkv, int64_t D, int64_t bs, int64_t bt_stride,
          int64_t kc_s0, int64_t kc_s1, int64_t kc_s2, int64_t vc_s0, int64_t vc_s1, int64_t vc_s2, float scale) {
   const int64_t G = H / Hkv;
-  at::parallel_for(0, T_ * Hkv, 1, [&](int64_t begin, int64_t end) {
+  // work items: (query t, chunk c); task = item * Hkv + g
+  std::vector<int64_t> item_t, item_c, first_item(T_ + 1, 0);
+  bool split = false;
+  for (int64_t t = 0; t < T_; ++t) {
+    const int64_t nc = std::max<int64_t>(1, (int64_t(ctx_lens[t]) + kSplit - 1) / kSplit);
+    split |= nc > 1;
+    first_item[t + 1] = first_item[t] + nc;
+    for (int64_t c = 0; c < nc; ++c) {
+      item_t.push_back(t);
+      item_c.push_back(c);
+    }
+  }
+  const int64_t n_items = first_item[T_];
+  // partials per task when split: [G] m, [G] l, [G * D] unnormalized acc
+  const int64_t part_sz = G * (D + 2);
+  std::vector<float> part(split ? n_items * Hkv * part_sz : 0);
+
+  at::parallel_for(0, n_items * Hkv, 1, [&](int64_t begin, int64_t end) {
     thread_local Scratch sc;
     sc.q.resize(G * D);
     sc.acc.resize(G * D);
@@ -211,16 +233,18 @@ void run(const float* q, float* out, const T* kc, const T* vc, const int32_t* bt
     const float* krow[kMaxTile];
     const float* vrow[kMaxTile];
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t t = task / Hkv, g = task % Hkv;
+      const int64_t item = task / Hkv, g = task % Hkv;
+      const int64_t t = item_t[item], c = item_c[item];
       const int64_t ctx = ctx_lens[t];
+      const int64_t p_begin = c * kSplit, p_end = std::min(ctx, p_begin + kSplit);
       const int32_t* table = bt + int64_t(seq_idx[t]) * bt_stride;
       const float* qg = q + (t * H + g * G) * D;
       for (int64_t i = 0; i < G * D; ++i) sc.q[i] = qg[i] * scale;
       std::fill(sc.acc.begin(), sc.acc.end(), 0.f);
       std::fill(sc.m.begin(), sc.m.end(), -std::numeric_limits<float>::infinity());
       std::fill(sc.l.begin(), sc.l.end(), 0.f);
-      for (int64_t p0 = 0; p0 < ctx; p0 += tile) {
-        const int64_t n = std::min(tile, ctx - p0);
+      for (int64_t p0 = p_begin; p0 < p_end; p0 += tile) {
+        const int64_t n = std::min(tile, p_end - p0);
         // Row pointers for this tile's positions (fp32 caches are read in place; others are converted once per group).
         for (int64_t j = 0; j < n; ++j) {
           const int64_t pos = p0 + j;
@@ -246,9 +270,9 @@ void run(const float* q, float* out, const T* kc, const T* vc, const int32_t* bt
           const float mnew = std::max(sc.m[i], mt);
           float* acc = sc.acc.data() + i * D;
           if (mnew > sc.m[i] && sc.l[i] > 0.f) {
-            const float c = std::exp(sc.m[i] - mnew);
-            sc.l[i] *= c;
-            scale_row(acc, c, D);
+            const float cr = std::exp(sc.m[i] - mnew);
+            sc.l[i] *= cr;
+            scale_row(acc, cr, D);
           }
           sc.m[i] = mnew;
           float* p = sc.p.data();
@@ -256,10 +280,45 @@ void run(const float* q, float* out, const T* kc, const T* vc, const int32_t* bt
           pv(acc, p, vrow, n, D);
         }
       }
+      if (split) {
+        float* pp = part.data() + task * part_sz;
+        std::copy(sc.m.begin(), sc.m.end(), pp);
+        std::copy(sc.l.begin(), sc.l.end(), pp + G);
+        std::copy(sc.acc.begin(), sc.acc.end(), pp + 2 * G);
+      } else {
+        float* og = out + (t * H + g * G) * D;
+        for (int64_t i = 0; i < G; ++i) {
+          const float inv = sc.l[i] > 0.f ? 1.f / sc.l[i] : 0.f;  // ctx 0: output zeros
+          for (int64_t d = 0; d < D; ++d) og[i * D + d] = sc.acc[i * D + d] * inv;
+        }
+      }
+    }
+  });
+  if (!split) return;
+  // merge the chunks of each (t, g): rescale to the common max, sum, normalize
+  at::parallel_for(0, T_ * Hkv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t tg = begin; tg < end; ++tg) {
+      const int64_t t = tg / Hkv, g = tg % Hkv;
       float* og = out + (t * H + g * G) * D;
       for (int64_t i = 0; i < G; ++i) {
-        const float inv = sc.l[i] > 0.f ? 1.f / sc.l[i] : 0.f;  // ctx 0: output zeros
-        for (int64_t d = 0; d < D; ++d) og[i * D + d] = sc.acc[i * D + d] * inv;
+        float M = -std::numeric_limits<float>::infinity();
+        for (int64_t it = first_item[t]; it < first_item[t + 1]; ++it) {
+          const float* pp = part.data() + (it * Hkv + g) * part_sz;
+          if (pp[G + i] > 0.f) M = std::max(M, pp[i]);
+        }
+        float L = 0.f;
+        float* o = og + i * D;
+        std::fill(o, o + D, 0.f);
+        for (int64_t it = first_item[t]; it < first_item[t + 1]; ++it) {
+          const float* pp = part.data() + (it * Hkv + g) * part_sz;
+          if (!(pp[G + i] > 0.f)) continue;
+          const float w = std::exp(pp[i] - M);
+          L += pp[G + i] * w;
+          const float* a = pp + 2 * G + i * D;
+          for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
+        }
+        const float inv = L > 0.f ? 1.f / L : 0.f;
+        for (int64_t d = 0; d < D; ++d) o[d] *= inv;
       }
     }
   });
