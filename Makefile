@@ -4,9 +4,13 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The compiled paged-attention kernel (flags and why in setup.py); rebuilt only when its sources change. A failed
+# build is not fatal: warmstart.kernels falls back to pure torch and logs why.
+KERNEL_SRC := setup.py $(wildcard warmstart/kernels/csrc/*.cpp warmstart/kernels/csrc/*.h)
+KERNEL_STAMP := $(VENV)/.kernels
 
 .PHONY: venv serve test bench
-venv: $(STAMP)
+venv: $(STAMP) $(KERNEL_STAMP)
 
 $(STAMP): requirements.lock pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -16,11 +20,15 @@ $(STAMP): requirements.lock pyproject.toml
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e . || $(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
-serve: $(STAMP)
+$(KERNEL_STAMP): $(STAMP) $(KERNEL_SRC)
+	$(PY) setup.py build_ext --inplace -q || echo "warmstart: paged-attention kernel not built; the pure-torch fallback will be used"
+	touch $(KERNEL_STAMP)
+
+serve: venv
 	$(VENV)/bin/warmstart serve $(ARGS)
 
-test: $(STAMP)
+test: venv
 	$(PY) -m pytest -q $(ARGS)
 
-bench: $(STAMP)
+bench: venv
 	$(PY) benchmarks/throughput.py

@@ -1,0 +1,109 @@
+"""Decode attention: the paged kernel (reads K/V blocks in place) vs today's path (index_select gather of every
+sequence's padded context, then SDPA with a padding mask, as warmstart/runner/attention.py `_decode` does).
+
+SmolLM2-135M's attention shapes (H=9, Hkv=3, D=64), block size 16, one layer; decode = T=B queries, one per
+sequence, every sequence at the same context length; block ids shuffled over the pool. Both paths run interleaved in
+one process, each sample a loop of calls long enough to time, min of n samples; 1 and 2 threads; fp32 and bf16
+caches (q in the cache's dtype, as the model would run). Ratio = current / kernel (>1: the kernel is faster).
+
+    PYTHONPATH=. .venv/bin/python benchmarks/paged_attention.py [--samples 7] [--threads 1 2] [--out paged_attention.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from warmstart import kernels  # noqa: E402
+
+H, HKV, D, BS = 9, 3, 64, 16
+
+
+def setup(B: int, ctx: int, dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    per_seq = -(-ctx // BS)
+    nb = B * per_seq + 1
+    kc = torch.randn(nb, BS, HKV, D, generator=g).to(dtype)
+    vc = torch.randn(nb, BS, HKV, D, generator=g).to(dtype)
+    ids = torch.randperm(nb, generator=g)[:B * per_seq].to(torch.int32)
+    bt = ids.view(B, per_seq).contiguous()
+    q = torch.randn(B, H, D, generator=g).to(dtype)
+    seq_idx = torch.arange(B, dtype=torch.int32)
+    ctx_lens = torch.full((B,), ctx, dtype=torch.int32)
+    # today's inputs, built once per step by the runner (not per layer): padded slot matrix + mask (None at B=1)
+    pos = torch.arange(ctx)
+    slots = bt.long()[:, pos // BS] * BS + pos % BS                          # [B, L]
+    mask = None if B == 1 else (pos[None, :] < ctx_lens[:, None].long())[:, None, None, :]
+    return q, kc, vc, bt, seq_idx, ctx_lens, slots, mask
+
+
+def current(q, kc, vc, slots, mask):
+    """warmstart.runner.attention.PagedAttentionBackend._decode"""
+    kcf, vcf = kc.view(-1, HKV, D), vc.view(-1, HKV, D)
+    b, length = slots.shape
+    flat = slots.reshape(-1)
+    kk = kcf.index_select(0, flat).view(b, length, HKV, D).transpose(1, 2).to(q.dtype)
+    vv = vcf.index_select(0, flat).view(b, length, HKV, D).transpose(1, 2).to(q.dtype)
+    out = F.scaled_dot_product_attention(q[:, :, None, :], kk, vv, attn_mask=mask, enable_gqa=True)
+    return out[:, :, 0, :]
+
+
+def sample(fn, inner: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(inner):
+        fn()
+    return (time.perf_counter() - t0) / inner
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--samples", type=int, default=7)
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--ctx", type=int, nargs="+", default=[128, 2048])
+    ap.add_argument("--out", default="paged_attention.json")
+    args = ap.parse_args()
+    if not kernels.has_native():
+        print(f"native kernel unavailable ({kernels.NATIVE_UNAVAILABLE_REASON}); timing the pure-torch fallback")
+    scale = D ** -0.5
+    rows = []
+    print(f"H={H} Hkv={HKV} D={D} block={BS}; min of {args.samples} samples; times are per call (one layer)")
+    print(f"{'threads':>7} {'cache':>5} {'B':>3} {'ctx':>5} {'current us':>11} {'kernel us':>10} {'ratio':>6}  max|diff|")
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for dtype in (torch.float32, torch.bfloat16):
+            for B in args.batches:
+                for ctx in args.ctx:
+                    q, kc, vc, bt, si, cl, slots, mask = setup(B, ctx, dtype)
+                    cur = lambda: current(q, kc, vc, slots, mask)  # noqa: E731
+                    ker = lambda: kernels.paged_attention(q, kc, vc, bt, si, cl, scale)  # noqa: E731
+                    diff = (cur().float() - ker().float()).abs().max().item()
+                    t_one = max(sample(cur, 1), sample(ker, 1), 1e-6)
+                    inner = max(1, min(200, int(0.01 / t_one)))                     # ~10 ms per sample
+                    tc, tk = [], []
+                    for _ in range(args.samples):                                    # interleaved
+                        tc.append(sample(cur, inner))
+                        tk.append(sample(ker, inner))
+                    c, k = min(tc) * 1e6, min(tk) * 1e6
+                    rows.append(dict(threads=threads, cache_dtype=str(dtype).removeprefix("torch."), batch=B, ctx=ctx,
+                                     current_us=round(c, 1), kernel_us=round(k, 1), ratio=round(c / k, 2),
+                                     max_abs_diff=diff))
+                    print(f"{threads:>7} {rows[-1]['cache_dtype'][:5]:>5} {B:>3} {ctx:>5} {c:>11.1f} {k:>10.1f} "
+                          f"{c / k:>6.2f}  {diff:.1e}", flush=True)
+    result = dict(shape=dict(H=H, Hkv=HKV, D=D, block_size=BS), native=kernels.has_native(),
+                  native_unavailable_reason=kernels.NATIVE_UNAVAILABLE_REASON, torch=torch.__version__,
+                  samples=args.samples, rows=rows)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

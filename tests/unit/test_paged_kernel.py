@@ -1,0 +1,183 @@
+"""Paged attention that reads the KV cache in place (warmstart.kernels): the compiled kernel and the pure-torch
+fallback against a straightforward reference (dense SDPA in float64 over each sequence's gathered context, causal
+offset), and against each other.
+
+Tolerances: fp32 within 1e-5 (relative and absolute; outputs are O(1) convex combinations of V rows). bf16/fp16
+inputs are compared with the reference computed in float64 from the same rounded inputs; the only extra error is the
+output rounding plus fp32 accumulation: bf16 2e-2, fp16 3e-3 (a bf16 ulp at 1-2 is 2**-7)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from warmstart import kernels
+from warmstart.kernels import paged_attention, paged_attention_torch
+
+native = pytest.mark.skipif(not kernels.has_native(),
+                            reason=f"native paged-attention kernel unavailable: {kernels.NATIVE_UNAVAILABLE_REASON}")
+
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
+       torch.float16: dict(rtol=3e-3, atol=3e-3)}
+
+
+def make_case(seqs, H, Hkv, D, bs, dtype=torch.float32, cache_dtype=None, seed=0, spare_blocks=7):
+    """seqs: list of (context length, queries): a sequence whose last `queries` positions are queried (ctx_lens
+    L-n+1..L). Blocks are shuffled and non-contiguous; cache slots past each sequence's context hold NaN, so a read
+    outside the context poisons the output."""
+    g = torch.Generator().manual_seed(seed)
+    cache_dtype = cache_dtype or dtype
+    need = [-(-L // bs) for L, _ in seqs]
+    nb = sum(need) + spare_blocks
+    ids = torch.randperm(nb, generator=g).to(torch.int32)
+    kc = torch.full((nb, bs, Hkv, D), float("nan"))
+    vc = torch.full((nb, bs, Hkv, D), float("nan"))
+    bt = torch.zeros(len(seqs), max(need) + 2, dtype=torch.int32)   # padded with 0 (a block another sequence owns)
+    seq_idx, ctx_lens, at = [], [], 0
+    for s, (L, n) in enumerate(seqs):
+        bt[s, :need[s]] = ids[at:at + need[s]]
+        at += need[s]
+        for p in range(L):
+            kc[bt[s, p // bs], p % bs] = torch.randn(Hkv, D, generator=g)
+            vc[bt[s, p // bs], p % bs] = torch.randn(Hkv, D, generator=g)
+        seq_idx += [s] * n
+        ctx_lens += list(range(L - n + 1, L + 1))
+    q = torch.randn(len(seq_idx), H, D, generator=g).to(dtype)
+    return (q, kc.to(cache_dtype), vc.to(cache_dtype), bt, torch.tensor(seq_idx, dtype=torch.int32),
+            torch.tensor(ctx_lens, dtype=torch.int32))
+
+
+def reference(q, kc, vc, bt, seq_idx, ctx_lens, scale):
+    """Dense SDPA (float64) per sequence over its gathered context, queries at the end with a causal offset."""
+    T, H, D = q.shape
+    bs = kc.shape[1]
+    out = torch.empty(T, H, D, dtype=torch.float64)
+    for s in seq_idx.unique().tolist():
+        rows = (seq_idx == s).nonzero().flatten()
+        L = int(ctx_lens[rows].max())
+        pos = torch.arange(L)
+        slots = bt[s].long()[pos // bs] * bs + pos % bs
+        k = kc.flatten(0, 1)[slots].double().transpose(0, 1)          # [Hkv, L, D]
+        v = vc.flatten(0, 1)[slots].double().transpose(0, 1)
+        mask = pos[None, :] < ctx_lens[rows].long()[:, None]          # [n, L]: causal offset within the context
+        o = F.scaled_dot_product_attention(q[rows].double().transpose(0, 1), k, v, attn_mask=mask, scale=scale,
+                                           enable_gqa=True)
+        out[rows] = o.transpose(0, 1)
+    return out
+
+
+IMPLS = {"native": pytest.param(paged_attention, marks=native), "torch": paged_attention_torch}
+
+
+def ragged(bs):
+    # decode-style contexts of 1, one block, two blocks, an odd length; one sequence queried in a chunk of 4 over a
+    # prefix (speculative verification / chunked prefill), and one whole short prompt
+    return [(1, 1), (bs, 1), (2 * bs, 1), (37, 1), (3 * bs + 5, 4), (5, 5)]
+
+
+@pytest.mark.parametrize("impl", IMPLS.values(), ids=IMPLS.keys())
+@pytest.mark.parametrize("bs", [1, 16, 32])
+@pytest.mark.parametrize("D", [24, 64, 128])
+@pytest.mark.parametrize("ratio", [1, 3, 4])
+def test_fp32_matches_reference(impl, ratio, D, bs):
+    Hkv = 2
+    case = make_case(ragged(bs), H=Hkv * ratio, Hkv=Hkv, D=D, bs=bs, seed=ratio * 1000 + D + bs)
+    scale = D ** -0.5
+    out = impl(*case, scale)
+    assert out.dtype == torch.float32 and out.shape == case[0].shape
+    torch.testing.assert_close(out.double(), reference(*case, scale), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("impl", IMPLS.values(), ids=IMPLS.keys())
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+                                               (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                               (torch.float32, torch.float16)])
+@pytest.mark.parametrize("bs", [1, 16])
+def test_low_precision_matches_reference(impl, dtype, cache_dtype, bs):
+    case = make_case(ragged(bs), H=9, Hkv=3, D=64, bs=bs, dtype=dtype, cache_dtype=cache_dtype, seed=7)
+    out = impl(*case, 0.125)
+    assert out.dtype == dtype
+    tol = TOL[torch.bfloat16 if torch.bfloat16 in (dtype, cache_dtype) and dtype != torch.float32 else dtype]
+    torch.testing.assert_close(out.double(), reference(*case, 0.125), **tol)
+
+
+@pytest.mark.parametrize("impl", IMPLS.values(), ids=IMPLS.keys())
+def test_single_query(impl):
+    case = make_case([(1100, 1)], H=9, Hkv=3, D=64, bs=16, seed=3)            # split into 3 chunks
+    torch.testing.assert_close(impl(*case, 0.3).double(), reference(*case, 0.3), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("impl", IMPLS.values(), ids=IMPLS.keys())
+def test_64_queries_decode_batch(impl):
+    seqs = [(1 + (17 * i) % 130, 1) for i in range(64)]               # ragged, includes 1 and block multiples
+    assert any(L % 16 == 0 for L, _ in seqs) and (1, 1) in seqs
+    case = make_case(seqs, H=8, Hkv=2, D=64, bs=16, seed=11)
+    torch.testing.assert_close(impl(*case, 0.125).double(), reference(*case, 0.125), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("impl", IMPLS.values(), ids=IMPLS.keys())
+def test_64_queries_chunk_over_prefix(impl):
+    # one sequence: a 64-token chunk after a 100-token cached prefix, plus a decode query of another sequence
+    case = make_case([(164, 64), (40, 1)], H=12, Hkv=3, D=128, bs=32, seed=5)
+    assert case[0].shape[0] == 65
+    torch.testing.assert_close(impl(*case, 0.09).double(), reference(*case, 0.09), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("impl", IMPLS.values(), ids=IMPLS.keys())
+@pytest.mark.parametrize("D", [24, 64])
+def test_long_context_chunks_merge(impl, D):
+    # contexts past the kernel's 512-position split, exactly at it, one past it; a chunk of queries straddling it
+    case = make_case([(1024, 1), (512, 1), (513, 1), (530, 30)], H=8, Hkv=2, D=D, bs=16, seed=D)
+    torch.testing.assert_close(impl(*case, 0.2).double(), reference(*case, 0.2), **TOL[torch.float32])
+
+
+@native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_native_matches_fallback(dtype):
+    case = make_case(ragged(16) + [(200, 3)], H=9, Hkv=3, D=64, bs=16, dtype=dtype, seed=21)
+    a, b = paged_attention(*case, 0.125), paged_attention_torch(*case, 0.125)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)   # 1 output ulp
+    torch.testing.assert_close(a.float(), b.float(), **tol)
+
+
+@native
+def test_native_same_result_with_any_thread_count():
+    case = make_case([(1300, 1), (70, 2), (33, 1)], H=9, Hkv=3, D=64, bs=16, seed=2)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = paged_attention(*case, 0.125)
+        torch.set_num_threads(2)
+        two = paged_attention(*case, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)          # each (query, kv head) is one task: no cross-thread reduction
+
+
+@native
+def test_native_rejects_bad_tables():
+    q, kc, vc, bt, si, cl = make_case([(20, 1)], H=4, Hkv=2, D=24, bs=16, seed=1)
+    bad = bt.clone()
+    bad[0, 1] = kc.shape[0]
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        paged_attention(q, kc, vc, bad, si, cl, 1.0)
+    with pytest.raises(RuntimeError, match="ctx_len exceeds"):
+        paged_attention(q, kc, vc, bt, si, cl + 1000, 1.0)
+    with pytest.raises(RuntimeError, match="seq_idx out of range"):
+        paged_attention(q, kc, vc, bt, si + 1, cl, 1.0)
+
+
+def test_unavailable_reason_is_stated():
+    assert kernels.has_native() == (kernels.NATIVE_UNAVAILABLE_REASON is None)
+    if not kernels.has_native():
+        assert isinstance(kernels.NATIVE_UNAVAILABLE_REASON, str) and kernels.NATIVE_UNAVAILABLE_REASON
+
+
+def test_matches_the_runner_attention():
+    """The fallback against today's gather + SDPA path in warmstart.runner.attention (its default scale)."""
+    from warmstart.runner.attention import _attend
+    q, kc, vc, bt, si, cl = make_case([(50, 6)], H=6, Hkv=2, D=32, bs=16, seed=9)
+    pos = torch.arange(50)
+    slots = bt[0].long()[pos // 16] * 16 + pos % 16
+    want = _attend(q, kc.flatten(0, 1)[slots], vc.flatten(0, 1)[slots], 6)
+    torch.testing.assert_close(paged_attention(q, kc, vc, bt, si, cl, 32 ** -0.5), want, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,114 @@
+"""Attention that reads the paged KV cache in place.
+
+`paged_attention` runs the compiled CPU kernel (warmstart.kernels._paged, built by `make venv` via setup.py) when it
+is available and the inputs are on the CPU, and the pure-torch `paged_attention_torch` otherwise; both have the same
+semantics. `has_native()` says which one runs, and `NATIVE_UNAVAILABLE_REASON` says why the kernel is not used
+(None when it is).
+
+Layout: k_cache/v_cache are one layer's [num_blocks, block_size, Hkv, D]; context position p of sequence s lives at
+cache[block_tables[s, p // block_size], p % block_size]. Query t (of sequence seq_idx[t]) attends over positions
+0..ctx_lens[t]-1, so a chunk of new tokens at positions c..c+n-1 passes ctx_lens c+1..c+n (causal)."""
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import platform
+
+import torch
+
+log = logging.getLogger(__name__)
+
+__all__ = ["paged_attention", "paged_attention_torch", "has_native", "NATIVE_UNAVAILABLE_REASON"]
+
+_REQUIRED_X86_FLAGS = ("avx2", "fma", "f16c")   # the kernel is compiled for x86-64-v3's vector ISA (see setup.py)
+
+
+def _cpu_flags() -> set[str] | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        return None
+    return None
+
+
+def _load_native():
+    """Returns (module, None) or (None, reason). Checks the CPU before loading: the .so holds AVX2/FMA/F16C code."""
+    if os.environ.get("WARMSTART_NO_NATIVE_KERNELS"):
+        return None, "disabled by WARMSTART_NO_NATIVE_KERNELS"
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        flags = _cpu_flags()
+        if flags is None:
+            return None, "cannot read /proc/cpuinfo to check for avx2/fma/f16c"
+        missing = [f for f in _REQUIRED_X86_FLAGS if f not in flags]
+        if missing:
+            return None, f"CPU lacks {', '.join(missing)} (the kernel is built for x86-64-v3)"
+    try:
+        native = importlib.import_module(__name__ + "._paged")
+    except ImportError as e:
+        reason = f"extension not built ({e})"
+        err = os.path.join(os.path.dirname(__file__), "_build_error.txt")
+        if os.path.exists(err):
+            with open(err) as f:
+                reason += f"; last build: {f.read().strip()}"
+        return None, reason
+    return native, None
+
+
+_native, NATIVE_UNAVAILABLE_REASON = _load_native()
+if NATIVE_UNAVAILABLE_REASON is not None:
+    log.info("paged attention: pure-torch fallback (%s)", NATIVE_UNAVAILABLE_REASON)
+
+
+def has_native() -> bool:
+    return _native is not None
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    seq_idx: torch.Tensor, ctx_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [T, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; block_tables int32 [S, max_blocks];
+    seq_idx, ctx_lens int32 [T]. Returns [T, H, D] in q's dtype, accumulated in fp32."""
+    if _native is not None and q.device.type == "cpu" and k_cache.device.type == "cpu":
+        if v_cache.dtype != k_cache.dtype:
+            v_cache = v_cache.to(k_cache.dtype)
+        out = _native.paged_attention(q, k_cache, v_cache, block_tables, seq_idx, ctx_lens, float(scale))
+        return out if q.dtype == torch.float32 else out.to(q.dtype)
+    return paged_attention_torch(q, k_cache, v_cache, block_tables, seq_idx, ctx_lens, scale)
+
+
+def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                          seq_idx: torch.Tensor, ctx_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """The same semantics in plain torch (any device): per sequence, gather its context blocks once, then attend all
+    of that sequence's queries with a mask (position p visible to query t iff p < ctx_lens[t]). fp32 math."""
+    T, H, D = q.shape
+    _, bs, Hkv, _ = k_cache.shape
+    out = torch.zeros(T, H, D, dtype=torch.float32, device=q.device)
+    if T == 0:
+        return out.to(q.dtype)
+    G = H // Hkv
+    seq_cpu, ctx_cpu = seq_idx.tolist(), ctx_lens.tolist()
+    by_seq: dict[int, list[int]] = {}
+    for t, s in enumerate(seq_cpu):
+        by_seq.setdefault(s, []).append(t)
+    for s, rows in by_seq.items():
+        length = max(ctx_cpu[t] for t in rows)
+        if length == 0:
+            continue
+        nblk = -(-length // bs)
+        ids = block_tables[s, :nblk].to(device=k_cache.device, dtype=torch.long)
+        kk = k_cache.index_select(0, ids).reshape(nblk * bs, Hkv, D)[:length].float()   # [L, Hkv, D]
+        vv = v_cache.index_select(0, ids).reshape(nblk * bs, Hkv, D)[:length].float()
+        idx = torch.tensor(rows, device=q.device)
+        qs = q.index_select(0, idx).float().view(len(rows), Hkv, G, D)                  # [n, Hkv, G, D]
+        scores = torch.einsum("nkgd,lkd->nkgl", qs, kk) * scale                       # [n, Hkv, G, L]
+        lens = torch.tensor([ctx_cpu[t] for t in rows], device=q.device)
+        visible = torch.arange(length, device=q.device)[None, :] < lens[:, None]        # [n, L]
+        scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        probs = torch.nan_to_num(probs, nan=0.0)                                        # ctx_len 0 rows -> zeros
+        o = torch.einsum("nkgl,lkd->nkgd", probs, vv).reshape(len(rows), H, D)
+        out.index_copy_(0, idx, o)
+    return out.to(q.dtype)
