@@ -1,8 +1,17 @@
-"""Attention over the paged KV cache with torch SDPA (CPU, and CUDA through the same code).
+"""Attention over the paged KV cache (CPU, and CUDA through the same code).
 
 Cache layout: kv[2, layers, blocks, block_size, kv_heads, head_dim]. A token at position p of a sequence lives in
 slot block_table[p // block_size] * block_size + p % block_size. Each call writes the new tokens' K/V into their
-slots, then attends each query over its sequence's context (cached prefix + new tokens) with a causal offset."""
+slots, then attends each query over its sequence's context (cached prefix + new tokens) with a causal offset.
+
+Each sequence of a step takes one route, chosen once per step by the runner (not per layer):
+- fresh: a prompt chunk with nothing cached before it attends over its own new K/V with causal SDPA (no cache read);
+- paged: decode and short chunks over a cached prefix (q_len <= PAGED_MAX_Q) go, all together, to
+  kernels.paged_attention, which reads K/V blocks where they live through the block table: no gather, no padding,
+  and per-step work that does not grow with context length;
+- gather: a long chunk over a cached prefix gathers its context once and runs SDPA (compute-bound, SDPA's blocking
+  wins there).
+`reference=True` sends every sequence through gather: the first version's path, kept as the tests' reference."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,21 +19,34 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from warmstart.kernels import paged_attention
+
+PAGED_MAX_Q = 16
+
 
 @dataclass
 class SeqSlice:
     q_start: int              # first row of this sequence in the packed batch
     q_len: int                # new tokens this step
     ctx_len: int              # tokens attended over: cached prefix + new
-    slots: torch.Tensor       # [ctx_len] cache slots of the whole context, in position order
+    slots: torch.Tensor | None = None   # [ctx_len] cache slots of the whole context (gather route only)
+    route: str = "fresh"      # "fresh" | "paged" | "gather"
+
+
+@dataclass
+class PagedRows:
+    """The rows that go to the paged kernel, with what it needs; built once per step."""
+    rows: torch.Tensor | None       # [R] row indices into the packed batch; None = every row
+    block_tables: torch.Tensor      # int32 [S, max_blocks]
+    seq_idx: torch.Tensor           # int32 [R]: row of block_tables for each paged row
+    ctx_lens: torch.Tensor          # int32 [R]: positions each row attends over (its own position + 1)
 
 
 @dataclass
 class AttentionMeta:
     slot_mapping: torch.Tensor                  # [T] where each new token's K/V goes
     seqs: list[SeqSlice]
-    decode_slots: torch.Tensor | None = None    # [B, L] context slots (padded) when every sequence decodes 1 token
-    decode_mask: torch.Tensor | None = None     # [B, 1, 1, L] True where a padded slot is real context; None if B=1
+    paged: PagedRows | None = None
 
 
 class PagedAttentionBackend:
@@ -44,23 +66,24 @@ class PagedAttentionBackend:
         vc = self.kv[1, layer].view(-1, v.shape[1], v.shape[2])
         kc.index_copy_(0, meta.slot_mapping, k.to(kc.dtype))
         vc.index_copy_(0, meta.slot_mapping, v.to(vc.dtype))
-        if meta.decode_slots is not None:
-            return self._decode(q, kc, vc, meta)
-        outs = []
+        p = meta.paged
+        if p is not None and p.rows is None:                        # the whole step is paged (e.g. all decode)
+            return self._paged(layer, q, p)
+        out = torch.empty_like(q)
+        if p is not None:
+            out.index_copy_(0, p.rows, self._paged(layer, q.index_select(0, p.rows), p))
         for s in meta.seqs:
-            kk, vv = kc[s.slots].to(q.dtype), vc[s.slots].to(q.dtype)
-            outs.append(_attend(q[s.q_start:s.q_start + s.q_len], kk, vv, s.q_len))
-        return torch.cat(outs)
+            rows = slice(s.q_start, s.q_start + s.q_len)
+            if s.route == "fresh":
+                out[rows] = _attend(q[rows], k[rows], v[rows], s.q_len)
+            elif s.route == "gather":
+                out[rows] = _attend(q[rows], kc[s.slots].to(q.dtype), vc[s.slots].to(q.dtype), s.q_len)
+        return out
 
-    def _decode(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
-        # One query per sequence: gather every sequence's context into a padded [B, Hkv, L, D] and mask the padding.
-        # The slot matrix is built once per step by the runner, not once per layer.
-        b, length = meta.decode_slots.shape
-        flat = meta.decode_slots.reshape(-1)
-        kk = kc.index_select(0, flat).view(b, length, *kc.shape[1:]).transpose(1, 2).to(q.dtype)
-        vv = vc.index_select(0, flat).view(b, length, *vc.shape[1:]).transpose(1, 2).to(q.dtype)
-        out = F.scaled_dot_product_attention(q[:, :, None, :], kk, vv, attn_mask=meta.decode_mask, enable_gqa=True)
-        return out[:, :, 0, :]
+    def _paged(self, layer: int, q: torch.Tensor, p: PagedRows) -> torch.Tensor:
+        shape = (-1, self.block_size, *self.kv.shape[-2:])
+        return paged_attention(q, self.kv[0, layer].view(shape), self.kv[1, layer].view(shape), p.block_tables,
+                               p.seq_idx, p.ctx_lens, q.shape[-1] ** -0.5)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_len: int) -> torch.Tensor:

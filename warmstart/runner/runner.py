@@ -6,7 +6,7 @@ import mmap
 import torch
 from torch import nn
 
-from warmstart.runner.attention import AttentionMeta, PagedAttentionBackend, SeqSlice
+from warmstart.runner.attention import PAGED_MAX_Q, AttentionMeta, PagedAttentionBackend, PagedRows, SeqSlice
 from warmstart.runner.batch import Batch, BatchItem, ItemResult
 from warmstart.runner.sampler import sample, token_logprobs
 from warmstart.sampling_params import SamplingParams
@@ -20,6 +20,7 @@ class ModelRunner:
         self.block_size = 0
         self._generators: dict[int, torch.Generator] = {}
         self.forward = model.forward      # replaced by the compiled forward in compile mode
+        self.attention_reference = False  # True: every sequence through gather + SDPA (tests' reference path)
 
     # -- memory ---------------------------------------------------------------------------------------------
     def kv_block_bytes(self, block_size: int) -> int:
@@ -55,29 +56,53 @@ class ModelRunner:
         return self._postprocess(batch.items, hidden)
 
     def _prepare(self, items: list[BatchItem]) -> tuple[torch.Tensor, torch.Tensor, AttentionMeta]:
+        """Token ids, positions and attention metadata for one step. The work is O(new tokens + block-table
+        entries): no per-slot context tensors, except for the few long chunks over a cached prefix (gather)."""
         bs = self.block_size
         tokens, positions, slots, seqs = [], [], [], []
+        paged_items: list[tuple[int, BatchItem]] = []
         for it in items:
             n, ctx = len(it.token_ids), it.start + len(it.token_ids)
-            table = torch.tensor(it.block_table, dtype=torch.long)
-            ctx_slots = (table[:, None] * bs + torch.arange(bs)[None, :]).flatten()[:ctx]
-            seqs.append(SeqSlice(len(tokens), n, ctx, ctx_slots.to(self.device)))
+            if n == 1:
+                slots.append(it.block_table[it.start // bs] * bs + it.start % bs)
+            else:
+                pos = torch.arange(it.start, ctx)
+                slots.extend((torch.tensor(it.block_table)[pos // bs] * bs + pos % bs).tolist())
+            if it.start == 0:
+                route = "fresh"
+            elif n <= PAGED_MAX_Q and not self.attention_reference:
+                route = "paged"
+                paged_items.append((len(tokens), it))
+            else:
+                route = "gather"
+            seq = SeqSlice(len(tokens), n, ctx, route=route)
+            if route == "gather":
+                table = torch.tensor(it.block_table, dtype=torch.long)
+                seq.slots = (table[:, None] * bs + torch.arange(bs)[None, :]).flatten()[:ctx].to(self.device)
+            seqs.append(seq)
             tokens.extend(it.token_ids)
             positions.extend(range(it.start, ctx))
-            slots.append(ctx_slots[it.start:])
-        meta = AttentionMeta(torch.cat(slots).to(self.device), seqs)
-        if all(len(it.token_ids) == 1 for it in items):
-            # Pad every context to the longest with slot 0 (masked out), so one SDPA call serves the batch.
-            width = max(s.ctx_len for s in seqs)
-            padded = torch.zeros(len(seqs), width, dtype=torch.long)
-            for i, s in enumerate(seqs):
-                padded[i, :s.ctx_len] = s.slots
-            meta.decode_slots = padded.to(self.device)
-            if any(s.ctx_len != width for s in seqs):
-                lens = torch.tensor([s.ctx_len for s in seqs])
-                meta.decode_mask = (torch.arange(width)[None, :] < lens[:, None])[:, None, None, :].to(self.device)
+        meta = AttentionMeta(torch.tensor(slots, dtype=torch.long, device=self.device), seqs)
+        if paged_items:
+            meta.paged = self._paged_rows(paged_items, len(tokens))
         return (torch.tensor(tokens, dtype=torch.long, device=self.device),
                 torch.tensor(positions, dtype=torch.long, device=self.device), meta)
+
+    def _paged_rows(self, paged: list[tuple[int, BatchItem]], total_rows: int) -> PagedRows:
+        width = max(-(-(it.start + len(it.token_ids)) // self.block_size) for _, it in paged)
+        tables = torch.zeros(len(paged), width, dtype=torch.int32)
+        rows, seq_idx, ctx_lens = [], [], []
+        for s, (first, it) in enumerate(paged):
+            used = -(-(it.start + len(it.token_ids)) // self.block_size)
+            tables[s, :used] = torch.tensor(it.block_table[:used], dtype=torch.int32)
+            for j in range(len(it.token_ids)):
+                rows.append(first + j)
+                seq_idx.append(s)
+                ctx_lens.append(it.start + j + 1)
+        dev = self.device
+        row_index = None if len(rows) == total_rows else torch.tensor(rows, dtype=torch.long, device=dev)
+        return PagedRows(row_index, tables.to(dev), torch.tensor(seq_idx, dtype=torch.int32, device=dev),
+                         torch.tensor(ctx_lens, dtype=torch.int32, device=dev))
 
     def _postprocess(self, items: list[BatchItem], hidden: torch.Tensor) -> list[ItemResult]:
         # Rows that need logits: the last row of each sampling item, and every prompt row whose successor is a
@@ -138,7 +163,7 @@ class ModelRunner:
             left -= lens[-1]
         seqs, start = [], 0
         for n in lens:
-            seqs.append(SeqSlice(start, n, n, torch.empty(0)))
+            seqs.append(SeqSlice(start, n, n))
             start += n
         attn = PagedAttentionBackend(None, 0)
         attn.meta = AttentionMeta(torch.empty(0), seqs)

@@ -1,0 +1,268 @@
+"""Decode speed on CPU against peers, every ratio measured in one run (issue 8). Prints tables, writes JSON.
+
+    python benchmarks/decode.py [--new-tokens 128] [--rounds 2] [--out benchmarks/results/decode.json] [--quick]
+
+Every figure is a fresh process (the worker mode of this file), and systems run interleaved, round by round, so a
+noisy neighbour hits all of them alike; ratios are per round, then the median. decode tok/s = B*(N-1)/(tN - t1),
+where t1 is the best of two 1-token runs and tN one N-token run: prefill cancels out (peers.md's method).
+
+Sections: batch 1 (warmstart fp32 / bf16 / the GGUF's own quantization / int8, llama.cpp on the same GGUF through
+llama-cpp-python in a separate venv `.venv-peers`, HF transformers fp32); batch 32 (warmstart vs transformers, each
+in its fastest dtype); context scaling (batch 8 at 128 vs 2,048 tokens of context); under load (batch 1 and a
+plan-hit boot while busy loops hold every core, vs quiet; passive vs active OpenMP wait); the physical limit
+(measured read bandwidth and the batch-1 bound for each weight format)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PEERS_PY = ROOT / ".venv-peers" / "bin" / "python"
+
+
+# ------------------------------------------------------------------------------------------------ workers
+def _prompts(batch: int, ctx: int, vocab: int = 49152) -> list[list[int]]:
+    import random
+    rng = random.Random(batch * 100003 + ctx)
+    return [[rng.randrange(100, vocab - 100) for _ in range(ctx)] for _ in range(batch)]
+
+
+def _rate(run, batch: int, n: int) -> dict:
+    run(1)                                                 # warm-up
+    t1 = min(_timed(run, 1) for _ in range(2))
+    tn = _timed(run, n)
+    return {"tok_s": batch * (n - 1) / max(tn - t1, 1e-9), "t1": t1, "tn": tn}
+
+
+def _timed(run, n: int) -> float:
+    t0 = time.perf_counter()
+    run(n)
+    return time.perf_counter() - t0
+
+
+def worker_ws(a: dict) -> dict:
+    from warmstart import LLM, SamplingParams
+    llm = LLM("default", dtype=a["dtype"], quantization=a["quantization"], kv_cache_memory=2**30,
+              max_model_len=a["ctx"] + a["n"] + 16, startup_plan="off", max_num_seqs=max(64, a["batch"]),
+              max_num_batched_tokens=max(512, a["ctx"]))
+    prompts = _prompts(a["batch"], a["ctx"])
+    run = lambda n: llm.generate_ids(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    out = _rate(run, a["batch"], a["n"])
+    out["weight_bytes"] = llm.booted.ledger.weights_bytes
+    out["threads"] = llm.booted.report.to_dict()["threads"]
+    return out
+
+
+def worker_hf(a: dict) -> dict:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from safetensors.torch import load_file
+    from warmstart.weights.gguf import default_model_dir
+    from warmstart.weights.quantize import postprocess
+    folder = default_model_dir()
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.float32).eval()
+    model.load_state_dict(postprocess(load_file(folder / "model.safetensors"), torch.float32, "none"), strict=False)
+    model.tie_weights()
+    model = model.to(getattr(torch, a["dtype"]))
+    ids = torch.tensor(_prompts(a["batch"], a["ctx"]))
+
+    def run(n):
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, pad_token_id=0)
+    return _rate(run, a["batch"], a["n"])
+
+
+def worker_llama(a: dict) -> dict:
+    from llama_cpp import Llama
+    llm = Llama(model_path=a["gguf"], n_ctx=a["ctx"] + a["n"] + 16, n_threads=a["threads"], verbose=False,
+                n_batch=512)
+    prompt = _prompts(1, a["ctx"])[0]
+
+    def run(n):
+        llm.reset()
+        llm.create_completion(prompt, max_tokens=n, temperature=0.0, logit_bias={llm.token_eos(): -1e9})
+    return _rate(run, 1, a["n"])
+
+
+def worker_bandwidth(a: dict) -> dict:
+    import torch
+    buf = torch.ones(2**28)                                 # 1 GiB of float32
+    best = min(_timed(lambda _: buf.sum(), 1) for _ in range(5))
+    return {"read_gb_s": buf.numel() * 4 / best / 1e9}
+
+
+WORKERS = {"ws": worker_ws, "hf": worker_hf, "llama": worker_llama, "bandwidth": worker_bandwidth}
+
+
+# ------------------------------------------------------------------------------------------------ driver
+def spawn(kind: str, args: dict, env: dict | None = None, timeout: float = 900) -> dict | None:
+    py = str(PEERS_PY) if kind == "llama" else sys.executable
+    e = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", **(env or {})}
+    r = subprocess.run([py, __file__, "--worker", kind, json.dumps(args)], capture_output=True, text=True,
+                       env=e, cwd=ROOT, timeout=timeout)
+    if r.returncode != 0:
+        print(f"  {kind} {args} failed: {r.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+        return None
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def boot_seconds(env: dict | None = None) -> float:
+    """Process start -> first token of a plan-hit boot of the default model (the plan is primed first)."""
+    cache = os.environ.get("WARMSTART_CACHE_DIR")
+    cmd = [sys.executable, "-m", "warmstart", "-q", "generate", "default", "--prompt", "Hi", "--max-tokens", "1",
+           "--max-model-len", "2048"]
+    e = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    t0 = time.perf_counter()
+    subprocess.run(cmd, capture_output=True, env=e, cwd=ROOT, check=True, timeout=600)
+    return time.perf_counter() - t0
+
+
+class Load:
+    """Busy loops on every core: a neighbour that takes about half the CPU from a 2-thread engine on 2 cores."""
+
+    def __init__(self, n: int):
+        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+
+    def __enter__(self):
+        time.sleep(0.5)
+        return self
+
+    def __exit__(self, *exc):
+        for p in self.procs:
+            p.kill()
+            p.wait()
+
+
+def med(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="fewer tokens and one round (a smoke run)")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "decode.json"))
+    ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(WORKERS[args.worker[0]](json.loads(args.worker[1]))))
+        return 0
+    n, rounds = (32, 1) if args.quick else (args.new_tokens, args.rounds)
+    sys.path.insert(0, str(ROOT))
+    from warmstart.threads import available_cpus
+    from warmstart.weights.gguf import default_model_gguf
+    threads = available_cpus()
+    gguf_path = str(default_model_gguf())
+    have_llama = PEERS_PY.exists() and subprocess.run([str(PEERS_PY), "-c", "import llama_cpp"],
+                                                      capture_output=True).returncode == 0
+    if not have_llama:
+        print("llama.cpp: skipped (.venv-peers has no llama_cpp; build it with "
+              "`python3 -m venv .venv-peers && .venv-peers/bin/pip install llama-cpp-python==0.3.36`)")
+    res: dict = {"threads": threads, "new_tokens": n, "rounds": rounds}
+
+    # batch 1 (prompt of 40 tokens, as a chat turn)
+    b1 = {"ws fp32": ("ws", {"dtype": "float32", "quantization": "none"}),
+          "ws bf16": ("ws", {"dtype": "bfloat16", "quantization": "none"}),
+          "ws gguf-native (int4+int8)": ("ws", {"dtype": "float32", "quantization": "auto"}),
+          "hf fp32": ("hf", {"dtype": "float32"})}
+    if have_llama:
+        b1["llama.cpp Q4_1"] = ("llama", {"gguf": gguf_path, "threads": threads})
+    rows: dict[str, list] = {k: [] for k in b1}
+    for _ in range(rounds):
+        for name, (kind, extra) in b1.items():
+            rows[name].append(spawn(kind, {"batch": 1, "ctx": 40, "n": n, **extra}))
+    res["batch1"] = {k: {"tok_s": med([r and r["tok_s"] for r in v]),
+                         "weight_bytes": next((r.get("weight_bytes") for r in v if r), None)} for k, v in rows.items()}
+
+    # batch 32: each in its fastest dtype (both are tried)
+    b32 = {"ws fp32": ("ws", {"dtype": "float32", "quantization": "none"}),
+           "ws bf16": ("ws", {"dtype": "bfloat16", "quantization": "none"}),
+           "ws gguf-native": ("ws", {"dtype": "float32", "quantization": "auto"}),
+           "hf fp32": ("hf", {"dtype": "float32"}), "hf bf16": ("hf", {"dtype": "bfloat16"})}
+    rows = {k: [] for k in b32}
+    for _ in range(rounds):
+        for name, (kind, extra) in b32.items():
+            rows[name].append(spawn(kind, {"batch": 32, "ctx": 40, "n": n, **extra}))
+    res["batch32"] = {k: med([r and r["tok_s"] for r in v]) for k, v in rows.items()}
+
+    # context scaling: batch 8 at 128 vs 2048 tokens of context, the default (native) mode
+    ctx = {}
+    for c in (128, 2048):
+        ctx[c] = med([(spawn("ws", {"batch": 8, "ctx": c, "n": min(n, 64), "dtype": "float32",
+                                    "quantization": "auto"}) or {}).get("tok_s") for _ in range(rounds)])
+    res["context"] = ctx
+
+    # under load: busy loops on every core vs quiet; passive (default) vs active OpenMP wait
+    load = {}
+    for policy in ("PASSIVE", "ACTIVE"):
+        env = {"OMP_WAIT_POLICY": policy}
+        q = spawn("ws", {"batch": 1, "ctx": 40, "n": min(n, 64), "dtype": "float32", "quantization": "auto"}, env)
+        qb = boot_seconds(env)
+        with Load(threads):
+            l = spawn("ws", {"batch": 1, "ctx": 40, "n": min(n, 64), "dtype": "float32", "quantization": "auto"},
+                      env)
+            lb = boot_seconds(env)
+        load[policy] = {"quiet_tok_s": q and q["tok_s"], "loaded_tok_s": l and l["tok_s"], "quiet_boot_s": qb,
+                        "loaded_boot_s": lb}
+    res["under_load"] = load
+    res["bandwidth_gb_s"] = (spawn("bandwidth", {}) or {}).get("read_gb_s")
+    report(res)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+def report(res: dict) -> None:
+    b1, bw = res["batch1"], res["bandwidth_gb_s"]
+    print(f"\n## batch 1 ({res['new_tokens']} new tokens, {res['threads']} threads, median of {res['rounds']})")
+    print("| system | tok/s | weight bytes read/token | bandwidth bound tok/s | share of bound |\n|---|---|---|---|---|")
+    gguf_bytes = 96_576_768
+    sizes = {"ws fp32": 538_060_032, "ws bf16": 269_030_016, "hf fp32": 538_060_032, "llama.cpp Q4_1": gguf_bytes}
+    for k, v in b1.items():
+        size = v.get("weight_bytes") or sizes.get(k)
+        bound = bw * 1e9 / size if (bw and size) else None
+        share = f"{v['tok_s'] / bound:.0%}" if (bound and v["tok_s"]) else "-"
+        print(f"| {k} | {_f(v['tok_s'])} | {size or '-'} | {_f(bound)} | {share} |")
+    best_ws = max((v["tok_s"] or 0 for k, v in b1.items() if k.startswith("ws")), default=0)
+    if b1.get("llama.cpp Q4_1", {}).get("tok_s"):
+        print(f"\nbest warmstart / llama.cpp = {best_ws / b1['llama.cpp Q4_1']['tok_s']:.2f} (goal >= 1)")
+    b32 = res["batch32"]
+    best_ws32 = max(v or 0 for k, v in b32.items() if k.startswith("ws"))
+    best_hf32 = max(v or 0 for k, v in b32.items() if k.startswith("hf"))
+    print("\n## batch 32\n| system | tok/s |\n|---|---|")
+    for k, v in b32.items():
+        print(f"| {k} | {_f(v)} |")
+    if best_hf32:
+        print(f"\nbest warmstart / best transformers = {best_ws32 / best_hf32:.2f} (goal >= 1.5)")
+    c = res["context"]
+    if c.get(128) and c.get(2048):
+        print(f"\n## context scaling (batch 8): 128 ctx {c[128]:.1f} tok/s, 2048 ctx {c[2048]:.1f} tok/s, "
+              f"ratio {c[2048] / c[128]:.2f} (goal >= 0.7)")
+    print("\n## under load (busy loops on every core)\n| wait policy | quiet tok/s | loaded tok/s | slowdown | "
+          "quiet boot s | loaded boot s | slowdown |\n|---|---|---|---|---|---|---|")
+    for p, v in res["under_load"].items():
+        sd = v["quiet_tok_s"] / v["loaded_tok_s"] if v["quiet_tok_s"] and v["loaded_tok_s"] else None
+        print(f"| {p} | {_f(v['quiet_tok_s'])} | {_f(v['loaded_tok_s'])} | {_f(sd, 2)}x | {_f(v['quiet_boot_s'], 2)} "
+              f"| {_f(v['loaded_boot_s'], 2)} | {_f(v['loaded_boot_s'] / v['quiet_boot_s'], 2)}x |")
+    print(f"\nmeasured read bandwidth: {_f(bw, 1)} GB/s")
+
+
+def _f(x, nd: int = 1) -> str:
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+if __name__ == "__main__":
+    with tempfile.TemporaryDirectory() as d:
+        os.environ.setdefault("WARMSTART_CACHE_DIR", d)
+        sys.exit(main())
