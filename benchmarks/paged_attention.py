@@ -6,6 +6,10 @@ sequence, every sequence at the same context length; block ids shuffled over the
 one process, each sample a loop of calls long enough to time, min of n samples; 1 and 2 threads; fp32 and bf16
 caches (q in the cache's dtype, as the model would run). Ratio = current / kernel (>1: the kernel is faster).
 
+A second table: one sequence querying a chunk of n new tokens over a cached 1,024-token prefix (speculative
+verification, chunked prefill), kernel vs the runner's non-decode path (gather the context, SDPA with a causal-offset
+mask: attention.py `_attend`). It shows up to which chunk length the kernel should be used.
+
     PYTHONPATH=. .venv/bin/python benchmarks/paged_attention.py [--samples 7] [--threads 1 2] [--out paged_attention.json]
 """
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from warmstart import kernels  # noqa: E402
+from warmstart.runner.attention import _attend  # noqa: E402
 
 H, HKV, D, BS = 9, 3, 64, 16
 
@@ -69,6 +74,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--ctx", type=int, nargs="+", default=[128, 2048])
+    ap.add_argument("--chunks", type=int, nargs="*", default=[4, 16, 64], help="chunk lengths over a 1024 prefix")
     ap.add_argument("--out", default="paged_attention.json")
     args = ap.parse_args()
     if not kernels.has_native():
@@ -98,9 +104,40 @@ def main() -> None:
                                      max_abs_diff=diff))
                     print(f"{threads:>7} {rows[-1]['cache_dtype'][:5]:>5} {B:>3} {ctx:>5} {c:>11.1f} {k:>10.1f} "
                           f"{c / k:>6.2f}  {diff:.1e}", flush=True)
+    chunk_rows = []
+    if args.chunks:
+        prefix = 1024
+        print(f"\nchunk of n queries over a {prefix}-token prefix (one sequence)")
+        print(f"{'threads':>7} {'cache':>5} {'n':>3} {'current us':>11} {'kernel us':>10} {'ratio':>6}  max|diff|")
+    for threads in args.threads if args.chunks else []:
+        torch.set_num_threads(threads)
+        for dtype in (torch.float32, torch.bfloat16):
+            for n in args.chunks:
+                q, kc, vc, bt, _, _, _, _ = setup(1, prefix + n, dtype)
+                q = torch.randn(n, H, D).to(dtype)
+                si = torch.zeros(n, dtype=torch.int32)
+                cl = torch.arange(prefix + 1, prefix + n + 1, dtype=torch.int32)
+                pos = torch.arange(prefix + n)
+                slots = bt[0].long()[pos // BS] * BS + pos % BS
+                kf, vf = kc.view(-1, HKV, D), vc.view(-1, HKV, D)
+                cur = lambda: _attend(q, kf[slots].to(q.dtype), vf[slots].to(q.dtype), n)  # noqa: E731
+                ker = lambda: kernels.paged_attention(q, kc, vc, bt, si, cl, scale)  # noqa: E731
+                diff = (cur().float() - ker().float()).abs().max().item()
+                t_one = max(sample(cur, 1), sample(ker, 1), 1e-6)
+                inner = max(1, min(200, int(0.01 / t_one)))
+                tc, tk = [], []
+                for _ in range(args.samples):
+                    tc.append(sample(cur, inner))
+                    tk.append(sample(ker, inner))
+                c, k = min(tc) * 1e6, min(tk) * 1e6
+                chunk_rows.append(dict(threads=threads, cache_dtype=str(dtype).removeprefix("torch."), prefix=prefix,
+                                       chunk=n, current_us=round(c, 1), kernel_us=round(k, 1), ratio=round(c / k, 2),
+                                       max_abs_diff=diff))
+                print(f"{threads:>7} {chunk_rows[-1]['cache_dtype'][:5]:>5} {n:>3} {c:>11.1f} {k:>10.1f} "
+                      f"{c / k:>6.2f}  {diff:.1e}", flush=True)
     result = dict(shape=dict(H=H, Hkv=HKV, D=D, block_size=BS), native=kernels.has_native(),
                   native_unavailable_reason=kernels.NATIVE_UNAVAILABLE_REASON, torch=torch.__version__,
-                  samples=args.samples, rows=rows)
+                  samples=args.samples, rows=rows, chunk_rows=chunk_rows)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
 

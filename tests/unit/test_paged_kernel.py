@@ -37,9 +37,10 @@ def make_case(seqs, H, Hkv, D, bs, dtype=torch.float32, cache_dtype=None, seed=0
     for s, (L, n) in enumerate(seqs):
         bt[s, :need[s]] = ids[at:at + need[s]]
         at += need[s]
-        for p in range(L):
-            kc[bt[s, p // bs], p % bs] = torch.randn(Hkv, D, generator=g)
-            vc[bt[s, p // bs], p % bs] = torch.randn(Hkv, D, generator=g)
+        pos = torch.arange(L)
+        slots = bt[s].long()[pos // bs] * bs + pos % bs
+        kc.view(-1, Hkv, D)[slots] = torch.randn(L, Hkv, D, generator=g)
+        vc.view(-1, Hkv, D)[slots] = torch.randn(L, Hkv, D, generator=g)
         seq_idx += [s] * n
         ctx_lens += list(range(L - n + 1, L + 1))
     q = torch.randn(len(seq_idx), H, D, generator=g).to(dtype)
