@@ -14,6 +14,9 @@ from tokenizers import Tokenizer as HFTokenizer
 from warmstart.errors import UserError
 
 
+_GIL_FREE_CHARS = 64 * 1024
+
+
 class Tokenizer:
     def __init__(self, model_dir: Path):
         path = model_dir / "tokenizer.json"
@@ -45,6 +48,10 @@ class Tokenizer:
         return self._tok.id_to_token(token_id)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) > _GIL_FREE_CHARS:
+            # tokenizers' encode holds the GIL for the whole call (10 s for 10 MB); encode_batch releases it, so a
+            # server thread tokenizing a huge prompt does not stall the event loop. Same ids either way.
+            return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
