@@ -10,7 +10,7 @@ import sys
 from dataclasses import fields
 
 from warmstart.config import DEFAULT_UTILIZATION, EngineConfig, parse_bytes
-from warmstart.errors import UserError
+from warmstart.errors import UserError, user_error
 from warmstart.paths import warmstart_cache_dir
 
 _D = {f.name: f.default for f in fields(EngineConfig) if f.default is not f.default_factory}
@@ -154,11 +154,11 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args) or 0
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         return 130
+    except (UserError, OSError) as e:          # errors.py words environment errors; any other is a bug
+        print(f"error: {user_error(e)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -65,6 +65,13 @@ class MemoryPlanner:
         self.external = external
         if self.config.kv_cache_memory is not None:
             self.status = "bypassed"
+            kv, total = self.config.kv_cache_memory, self.facts.total_bytes
+            if kv + weights + external > total:
+                raise UserError(f"--kv-cache-memory {format_bytes(kv)} plus the weights "
+                                f"({format_bytes(weights + external)}) exceeds all of this device's memory "
+                                f"({format_bytes(total)} on "
+                                f"{self.facts.kind}). Lower --kv-cache-memory, or leave it out to size the KV cache "
+                                "from --memory-utilization.")
         elif self.reads:
             ledger = self._try_hit(runner, weights, external)
             if ledger is not None:

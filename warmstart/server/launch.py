@@ -20,7 +20,7 @@ import sys
 import threading
 from pathlib import Path
 
-from warmstart.errors import UserError
+from warmstart.errors import UserError, user_error
 
 log = logging.getLogger("warmstart.server")
 
@@ -84,8 +84,8 @@ class _Launch:
         from warmstart.server.serving import ServingContext
         try:
             booted = boot(self.config, self.timer)
-        except UserError as e:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+        except (UserError, OSError) as e:       # worded by errors.py, as the CLI's own commands are
+            print(f"error: {user_error(e)}", file=sys.stderr, flush=True)
             self._fail(2)
             return
         except BaseException:
