@@ -8,6 +8,7 @@ exceptions through `user_error`, so the same cause always reads the same way and
 from __future__ import annotations
 
 import errno
+import json
 import struct
 from contextlib import contextmanager
 from pathlib import Path
@@ -66,7 +67,16 @@ def reading(path: Path | str, what: str, fix: str) -> Iterator[None]:
     except OSError as e:
         raise from_os_error(e, f"reading {what} {path}") from None
     except PARSE_ERRORS as e:
-        detail = f"{type(e).__name__}: {e}" if isinstance(e, (KeyError, AttributeError)) else str(e)
+        if isinstance(e, json.JSONDecodeError):
+            detail = f"not valid JSON: {e}"
+        elif isinstance(e, UnicodeDecodeError):
+            detail = f"not UTF-8 text: {e}"
+        elif isinstance(e, KeyError):
+            detail = f"missing key {e}"
+        elif isinstance(e, AttributeError):
+            detail = f"wrong structure: {e}"
+        else:
+            detail = str(e)
         raise UserError(f"{what} {path} cannot be used ({detail[:300]}). {fix}") from None
 
 

@@ -19,6 +19,10 @@ class ModelRunner:
         self.kv: torch.Tensor | None = None
         self.block_size = 0
         self._generators: dict[int, torch.Generator] = {}
+        # Unseeded sampled requests draw from this engine-owned generator, never the global RNG: whether a boot
+        # ran the profiling forward (a plan miss) or skipped it (a hit) must not change their tokens. Seeded from
+        # the boot's --seed (boot.py calls torch.manual_seed(config.seed) before building the runner).
+        self._unseeded = torch.Generator(device=device).manual_seed(torch.initial_seed())
         self.forward = model.forward      # replaced by the compiled forward in compile mode
 
     # -- memory ---------------------------------------------------------------------------------------------
@@ -132,8 +136,10 @@ class ModelRunner:
         return ItemResult(token, lp, plp)
 
     def _generator(self, item: BatchItem) -> torch.Generator | None:
-        if item.params.seed is None or item.params.greedy:
+        if item.params.greedy:
             return None
+        if item.params.seed is None:
+            return self._unseeded
         gen = self._generators.get(item.seq_id)
         if gen is None:
             gen = self._generators[item.seq_id] = torch.Generator(device=self.device).manual_seed(item.params.seed)
@@ -160,5 +166,6 @@ class ModelRunner:
         rows = min(max_num_seqs, num_tokens)
         logits = self.model.compute_logits(hidden[-rows:])
         p = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)
-        sample(logits, [p] * rows, [None] * rows)
+        scratch = torch.Generator(device=self.device)          # profiling draws must not move any RNG in use
+        sample(logits, [p] * rows, [scratch] * rows)
         logits.log_softmax(dim=-1)
