@@ -60,8 +60,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
                    choices=["auto", "off", "read", "write", "require"],
                    help="auto: reuse a matching plan and save new ones; require: fail unless a plan matches")
     g.add_argument("--plan-free-tolerance", type=byte_size, default=None, metavar="BYTES",
-                   help="how much less free memory than the plan recorded is still a hit "
-                        "(default 0 on GPU, 256MiB on CPU)")
+                   help="GPU: how much less free memory than the plan recorded is still a hit (default 0). "
+                        "CPU plans are gated instead on their remaining allocation fitting in free memory")
     g = p.add_argument_group("weight cache daemon")
     g.add_argument("--load-format", default=_D["load_format"], choices=["auto", "disk", "daemon"],
                    help="auto: attach to a running weight daemon if one serves this model, else load from disk")
