@@ -1,5 +1,15 @@
+import signal
 import sys
 
-from warmstart.cli import main
+
+def _terminated(signum, frame):
+    # SIGTERM before a command installs its own handling (the server's graceful drain, the daemon's cleanup) is a
+    # request to stop: a clean exit 0, not death by signal mid-import.
+    raise SystemExit(0)
+
+
+signal.signal(signal.SIGTERM, _terminated)
+
+from warmstart.cli import main  # noqa: E402
 
 sys.exit(main())

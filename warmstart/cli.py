@@ -10,7 +10,7 @@ import sys
 from dataclasses import fields
 
 from warmstart.config import DEFAULT_UTILIZATION, EngineConfig, parse_bytes
-from warmstart.errors import UserError
+from warmstart.errors import UserError, user_error
 from warmstart.paths import warmstart_cache_dir
 
 _D = {f.name: f.default for f in fields(EngineConfig) if f.default is not f.default_factory}
@@ -69,8 +69,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
                    choices=["auto", "off", "read", "write", "require"],
                    help="auto: reuse a matching plan and save new ones; require: fail unless a plan matches")
     g.add_argument("--plan-free-tolerance", type=byte_size, default=None, metavar="BYTES",
-                   help="how much less free memory than the plan recorded is still a hit "
-                        "(default 0 on GPU, 256MiB on CPU)")
+                   help="GPU: how much less free memory than the plan recorded is still a hit (default 0). "
+                        "CPU plans are gated instead on their remaining allocation fitting in free memory")
     g = p.add_argument_group("weight cache daemon")
     g.add_argument("--load-format", default=_D["load_format"], choices=["auto", "disk", "daemon"],
                    help="auto: attach to a running weight daemon if one serves this model, else load from disk")
@@ -166,11 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     threads.configure(getattr(args, "threads", None))
     try:
         return args.func(args) or 0
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         return 130
+    except (UserError, OSError) as e:          # errors.py words environment errors; any other is a bug
+        print(f"error: {user_error(e)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

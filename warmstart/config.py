@@ -82,8 +82,10 @@ class EngineConfig:
         object.__setattr__(self, "cache_dir", Path(self.cache_dir).expanduser())
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"),
                f"--dtype {self.dtype!r} is not supported; use auto, float32, bfloat16 or float16.")
-        _check(self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda"),
-               f"--device {self.device!r} is not supported; use auto, cpu or cuda[:N].")
+        _check(re.fullmatch(r"auto|cpu|cuda(:\d{1,3})?", self.device) is not None,
+               f"--device {self.device!r} is not supported; use auto, cpu, cuda or cuda:N (N a GPU index).")
+        # torch.manual_seed's range; anything else would fail inside the boot with a traceback.
+        _check(-2**63 <= self.seed < 2**64, f"--seed must be between -2**63 and 2**64-1, got {self.seed}.")
         if self.memory_utilization is not None:
             _check(0 < self.memory_utilization <= 1, f"--memory-utilization must be in (0, 1], got "
                    f"{self.memory_utilization}. It is the fraction of device memory this engine may use.")

@@ -9,7 +9,7 @@ from pathlib import Path
 from warmstart.config import format_bytes
 from warmstart.errors import UserError
 from warmstart.paths import warmstart_cache_dir
-from warmstart.startup.plan import PlanStore
+from warmstart.startup.plan import BadPlanFile, PlanStore, read_plan_file
 
 
 def _store(args) -> PlanStore:
@@ -17,30 +17,39 @@ def _store(args) -> PlanStore:
 
 
 def cmd_list(args) -> int:
-    docs = _store(args).list()
+    docs = _store(args).list()          # files that are not valid plans are skipped with a warning
     if not docs:
         print(f"no startup plans under {_store(args).root}")
         return 0
     print(f"{'key':<32}  {'created':<19}  {'util':>5}  {'kv blocks':>9}  {'kv bytes':>11}  model")
     for d in docs:
         k, led = d["key"], d["ledger"]
-        files = ",".join(w["file"] for w in k.get("model.weights", []))
+        weights = k.get("model.weights")
+        files = ",".join(str(w.get("file")) for w in weights if isinstance(w, dict)) \
+            if isinstance(weights, list) else "?"
         print(f"{d['digest']:<32}  {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(d.get('created', 0)))}  "
-              f"{k.get('memory_utilization', '?'):>5}  {led['num_kv_blocks']:>9}  "
-              f"{format_bytes(led['kv_cache_bytes']):>11}  {k.get('model.architecture')} ({files})")
+              f"{str(k.get('memory_utilization', '?'))[:5]:>5}  {led['num_kv_blocks']:>9}  "
+              f"{format_bytes(led['kv_cache_bytes']):>11}  {str(k.get('model.architecture'))[:60]} "
+              f"({files[:200]})")
     return 0
 
 
 def _find(store: PlanStore, prefix: str) -> Path:
-    matches = [p for p in store.root.glob(f"{prefix}*.json")] if store.root.is_dir() else []
+    matches = store.find(prefix)
     if len(matches) != 1:
         raise UserError(f"{'No' if not matches else 'More than one'} plan matches {prefix!r} under {store.root}. "
-                        "Run `warmstart plan list` for the keys.")
+                        "Run `warmstart plan list` for the keys (hex digests or a unique prefix of one).")
     return matches[0]
 
 
 def cmd_show(args) -> int:
-    print(_find(_store(args), args.key).read_text(), end="")
+    path = _find(_store(args), args.key)
+    try:
+        doc = read_plan_file(path)
+    except (BadPlanFile, FileNotFoundError) as e:
+        raise UserError(f"{path} is not a usable startup plan ({e}); boots ignore it. Remove it with "
+                        f"`warmstart plan clear {path.stem}`.") from None
+    print(json.dumps(doc, indent=1, sort_keys=True))
     return 0
 
 
@@ -77,12 +86,15 @@ def cmd_explain(args) -> int:
     planner.external, note = _daemon_charge(config, model_dir, device, facts)
     if note:
         print(note)
-    found = planner.store.lookup(key, planner.effective_free, planner.tolerance)
+    found = planner.store.lookup(key, planner.effective_free, planner.tolerance, device.kind)
     if found.plan is not None:
         led = found.plan.ledger
+        why = planner.hit_problem(found.plan.ledger, None)
+        if why:
+            print(f"miss: {found.path}\n  {why}")
+            return 0
         print(f"hit: {found.path}\n  {led.num_kv_blocks} KV blocks ({format_bytes(led.kv_cache_bytes)}); "
-              f"free now {format_bytes(planner.effective_free)} >= recorded {format_bytes(led.free_bytes_at_boot)} "
-              f"- tolerance {format_bytes(planner.tolerance)}")
+              f"free now {format_bytes(planner.effective_free)} passes the {device.kind} free-memory gate")
         return 0
     print(f"miss: {found.path}")
     for r in found.reasons:

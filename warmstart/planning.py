@@ -16,6 +16,7 @@ from warmstart.runner.runner import ModelRunner
 from warmstart.startup.device import Device, DeviceFacts
 from warmstart.startup.ledger import OVERHEAD_QUANTUM, MemoryLedger, round_up
 from warmstart.startup.plan import PlanKey, PlanStore
+from warmstart.startup.residency import unresident_weight_bytes
 from warmstart.startup.report import PlanOutcome
 
 log = logging.getLogger("warmstart.plan")
@@ -38,6 +39,7 @@ class MemoryPlanner:
     reasons: list[str] = field(default_factory=list)
     saved: bool = False
     external: int = 0
+    boot_overhead: int = 0          # the runtime overhead this boot measured (CPU: RSS before the weights)
 
     @property
     def effective_free(self) -> int:
@@ -63,10 +65,18 @@ class MemoryPlanner:
         device's free memory by exactly what this boot then does not need to load, so an attached boot and a disk
         boot of the same configuration see the same number and reach the same plan decision."""
         self.external = external
+        self.boot_overhead = overhead
         if self.config.kv_cache_memory is not None:
             self.status = "bypassed"
+            kv, total = self.config.kv_cache_memory, self.facts.total_bytes
+            if kv + weights + external > total:
+                raise UserError(f"--kv-cache-memory {format_bytes(kv)} plus the weights "
+                                f"({format_bytes(weights + external)}) exceeds all of this device's memory "
+                                f"({format_bytes(total)} on "
+                                f"{self.facts.kind}). Lower --kv-cache-memory, or leave it out to size the KV cache "
+                                "from --memory-utilization.")
         elif self.reads:
-            ledger = self._try_hit(runner, weights, external)
+            ledger = self._try_hit(runner, weights, external, overhead if self.device.kind == "cpu" else 0)
             if ledger is not None:
                 return ledger
         elif self.writes:
@@ -74,13 +84,42 @@ class MemoryPlanner:
             self.reasons.append(f"--startup-plan {self.config.startup_plan}: plans are not read")
         return self._profile(runner, weights, external, overhead, max_model_len)
 
-    def _try_hit(self, runner: ModelRunner, weights: int, external: int) -> MemoryLedger | None:
-        found = self.store.lookup(self.key, self.effective_free, self.tolerance)
+    @property
+    def budget(self) -> int:
+        """The budget this configuration allows, derived from the key's inputs (never read from a plan)."""
+        return int(self.config.utilization * self.facts.total_bytes)
+
+    def hit_problem(self, old: MemoryLedger, runner: ModelRunner | None, overhead: int = 0) -> str | None:
+        """Why a plan whose key matches still must not be used, or None. A plan file is untrusted input: its
+        budget and the categories that follow from this configuration are re-derived here on every hit, so an
+        edited (or re-checksummed) file can never size the KV cache beyond what the key allows."""
+        if old.budget_bytes != self.budget:
+            return (f"stored budget {old.budget_bytes} != memory utilization {self.config.utilization} x device "
+                    f"total {self.facts.total_bytes} = {self.budget}")
+        if old.total_bytes != self.facts.total_bytes or old.block_size != self.config.block_size:
+            return (f"stored device total / block size {old.total_bytes} / {old.block_size} != "
+                    f"{self.facts.total_bytes} / {self.config.block_size}")
+        if runner is not None and old.kv_block_bytes != runner.kv_block_bytes(self.config.block_size):
+            return f"stored KV block bytes {old.kv_block_bytes} != {runner.kv_block_bytes(self.config.block_size)}"
+        if old.runtime_overhead_bytes < overhead:
+            return (f"stored runtime overhead {old.runtime_overhead_bytes} < {overhead} measured by this boot")
+        return None
+
+    def _try_hit(self, runner: ModelRunner, weights: int, external: int, overhead: int) -> MemoryLedger | None:
+        found = self.store.lookup(self.key, self.effective_free, self.tolerance, self.device.kind)
         self.status = "miss"
-        if found.plan is not None:
+        if found.unfit:
+            # CPU: the budget does not depend on free memory, so re-profiling would reproduce this very plan.
+            raise UserError(f"This configuration's startup plan does not fit in free memory now: "
+                            f"{found.reasons[0]}. Free memory, or lower --memory-utilization (or pass an explicit "
+                            "--kv-cache-memory).")
+        problem = self.hit_problem(found.plan.ledger, runner, overhead) if found.plan is not None else None
+        if problem:
+            log.warning("startup plan %s disagrees with this configuration: %s", found.path.name, problem)
+            self.reasons.append(problem)
+        elif found.plan is not None:
             old = found.plan.ledger
-            ledger = self._size(runner, weights, external, old.activation_peak_bytes, old.runtime_overhead_bytes,
-                                budget=old.budget_bytes)
+            ledger = self._size(runner, weights, external, old.activation_peak_bytes, old.runtime_overhead_bytes)
             if weights + external != old.weights_bytes + old.external_weights_bytes:
                 self.reasons.append(f"weight bytes {old.weights_bytes + old.external_weights_bytes} -> "
                                     f"{weights + external}")
@@ -142,11 +181,14 @@ class MemoryPlanner:
             log.warning("could not save startup plan under %s: %s", self.store.root, e)
 
     def _remeasure(self, runner: ModelRunner, ledger: MemoryLedger, max_model_len: int) -> MemoryLedger:
-        measured, _ = resident_bytes(self.device, ledger)
+        measured, expected = resident_bytes(self.device, ledger)
         activation = measure_activation_peak(runner, self.device, self.config, max_model_len)
-        weights = ledger.weights_bytes + (ledger.external_weights_bytes if self.device.kind == "cpu" else 0)
-        kv_resident = ledger.kv_cache_bytes if self.device.kind == "cuda" else 0
-        overhead = round_up(max(0, measured - weights - kv_resident), OVERHEAD_QUANTUM)
+        # expected - overhead = the weight (and, on CUDA, KV) bytes that are resident now, counted the same way
+        # as measured; the rest of measured is runtime overhead. Never below what this boot measured before its
+        # weights arrived: resident memory only grows from there, so a lower figure is a measurement artefact
+        # (untouched weight pages, a reclaimed page cache) and would hand the KV cache bytes that are in use.
+        counted = expected - ledger.runtime_overhead_bytes if self.device.kind == "cpu" else expected
+        overhead = round_up(max(self.boot_overhead, measured - counted), OVERHEAD_QUANTUM)
         return self._size(runner, ledger.weights_bytes, ledger.external_weights_bytes, activation, overhead)
 
 
@@ -181,11 +223,14 @@ class ResidentCheck:
 
 def resident_bytes(device: Device, ledger: MemoryLedger) -> tuple[int, int]:
     """(measured, expected) bytes resident in this process after warm-up. CPU: RSS, expected to hold the runtime
-    overhead and every weight page (warm-up touched them; daemon pages are mapped here too) but not the lazily
+    overhead and the weight pages that are resident (daemon pages are mapped here too) but not the lazily
     zeroed KV. CUDA: the caching allocator's reservation, expected to hold weights and the whole KV."""
     if device.kind == "cpu":
-        return device.process_bytes(), (ledger.runtime_overhead_bytes + ledger.weights_bytes +
-                                         ledger.external_weights_bytes)
+        # Like with like: RSS holds only the touched pages of mmap'd weights (an untied embedding: the rows of
+        # seen tokens), so the expectation leaves out the mapped-but-untouched weight pages too.
+        weights = ledger.weights_bytes + ledger.external_weights_bytes
+        return device.process_bytes(), (ledger.runtime_overhead_bytes +
+                                         max(0, weights - unresident_weight_bytes()))
     return device.process_bytes(), ledger.weights_bytes + ledger.kv_cache_bytes
 
 

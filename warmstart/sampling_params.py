@@ -1,6 +1,7 @@
 """SamplingParams: how one request is decoded. Public API; validated on construction."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from warmstart.errors import UserError
@@ -25,27 +26,40 @@ class SamplingParams:
     prompt_logprobs: int | None = None
 
     MAX_LOGPROBS = 20
+    # What the engine can represent: top_k and token ids become int64 tensors, a seed seeds a torch.Generator
+    # (which takes -2**63 .. 2**64-1). A value outside these would overflow on the engine thread, mid-batch.
+    MAX_TOP_K = 2**31 - 1
+    MAX_TOKENS = 2**31 - 1
+    SEED_RANGE = (-2**63, 2**64 - 1)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        lo, hi = self.SEED_RANGE
         checks = [
-            (self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
-            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
-            (self.top_k >= 0, f"top_k must be >= 0 (0 disables it), got {self.top_k}"),
-            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
-            (all(s for s in self.stop), "stop strings must not be empty"),
-            (self.logprobs is None or 0 <= self.logprobs <= self.MAX_LOGPROBS,
+            ("max_tokens", 1 <= self.max_tokens <= self.MAX_TOKENS,
+             f"max_tokens must be between 1 and {self.MAX_TOKENS}, got {self.max_tokens}"),
+            ("temperature", math.isfinite(self.temperature) and self.temperature >= 0,
+             f"temperature must be a finite number >= 0, got {self.temperature}"),
+            ("top_k", 0 <= self.top_k <= self.MAX_TOP_K,
+             f"top_k must be between 0 (disabled) and {self.MAX_TOP_K}, got {self.top_k}"),
+            ("top_p", 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            ("min_p", 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
+            ("seed", self.seed is None or lo <= self.seed <= hi,
+             f"seed must be between {lo} and {hi}, got {self.seed}"),
+            ("stop", all(s for s in self.stop), "stop strings must not be empty"),
+            ("stop_token_ids", all(0 <= t < 2**63 for t in self.stop_token_ids),
+             "stop_token_ids must be token ids between 0 and 2**63-1"),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= self.MAX_LOGPROBS,
              f"logprobs must be between 0 and {self.MAX_LOGPROBS}, got {self.logprobs}"),
-            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS,
+            ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS,
              f"prompt_logprobs must be between 0 and {self.MAX_LOGPROBS}, got {self.prompt_logprobs}"),
         ]
-        for ok, message in checks:
+        for name, ok, message in checks:
             if not ok:
-                raise UserError(message + ".")
+                raise UserError(message + ".", param=name)
 
     @property
     def greedy(self) -> bool:

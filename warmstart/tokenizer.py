@@ -11,7 +11,10 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
-from warmstart.errors import UserError
+from warmstart.errors import UserError, reading
+
+
+_GIL_FREE_CHARS = 64 * 1024
 
 
 class Tokenizer:
@@ -25,17 +28,26 @@ class Tokenizer:
         except Exception as e:  # the tokenizers library raises bare Exceptions for corrupt files
             raise UserError(f"{path} could not be read ({e}). The tokenizer file is corrupt.") from None
         cfg_path = model_dir / "tokenizer_config.json"
-        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-        template = cfg.get("chat_template")
-        jinja_path = model_dir / "chat_template.jinja"
-        if template is None and jinja_path.is_file():
-            template = jinja_path.read_text()
-        if isinstance(template, list):       # named templates: use "default"
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        self.chat_template: str | None = template
-        self.bos_token = _token_text(cfg.get("bos_token"))
-        self.eos_token = _token_text(cfg.get("eos_token"))
-        self._special = dict(cfg.get("added_tokens_decoder") or {})
+        with reading(cfg_path, "tokenizer config", "The file is corrupt; restore tokenizer_config.json from the "
+                                                   "original checkpoint."):
+            cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+            if not isinstance(cfg, dict):
+                raise ValueError(f"expected a JSON object, got a {type(cfg).__name__}")
+            template = cfg.get("chat_template")
+            jinja_path = model_dir / "chat_template.jinja"
+            if template is None and jinja_path.is_file():
+                template = jinja_path.read_text()
+            if isinstance(template, list):       # named templates: use "default"
+                template = next((t["template"] for t in template if t.get("name") == "default"), None)
+            if template is not None and not isinstance(template, str):
+                raise ValueError(f"chat_template must be a string, got a {type(template).__name__}")
+            self.chat_template: str | None = template
+            self.bos_token = _token_text(cfg.get("bos_token"))
+            self.eos_token = _token_text(cfg.get("eos_token"))
+            for name in ("bos_token", "eos_token"):
+                if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                    raise ValueError(f"{name} must be a string or {{'content': str}}")
+            self._special = dict(cfg.get("added_tokens_decoder") or {})
 
     @property
     def vocab_size(self) -> int:
@@ -45,6 +57,10 @@ class Tokenizer:
         return self._tok.id_to_token(token_id)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) > _GIL_FREE_CHARS:
+            # tokenizers' encode holds the GIL for the whole call (10 s for 10 MB); encode_batch releases it, so a
+            # server thread tokenizing a huge prompt does not stall the event loop. Same ids either way.
+            return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -12,6 +13,7 @@ from warmstart.errors import UserError
 from warmstart.runner.batch import Batch, ItemResult
 from warmstart.sampling_params import SamplingParams
 
+log = logging.getLogger("warmstart.engine")
 
 class Executor(Protocol):
     def execute(self, batch: Batch) -> list[ItemResult]: ...
@@ -25,6 +27,7 @@ class RequestOutput:
     new_token_ids: list[int]
     new_text: str
     finished: bool
+    error: str | None = None          # this request failed (finish_reason "error"); the message names why
 
     @property
     def finish_reason(self) -> str | None:
@@ -99,13 +102,35 @@ class Engine:
             if finished_ids:
                 self.executor.execute(Batch([], finished_ids))
             return []
-        results = self.executor.execute(out.to_batch(finished_ids))
+        batch = out.to_batch(finished_ids)
+        try:
+            results = self.executor.execute(batch)
+        except Exception:
+            results = self._execute_alone(batch)
         return self._postprocess(out, results)
+
+    def _execute_alone(self, batch: Batch) -> list[ItemResult]:
+        """The step raised for the batch as a whole: run each item by itself, so a failure one request's input
+        causes fails only that request. Re-running is safe: an item writes the same K/V into its own slots, and
+        sampling never raises (the runner isolates it), so no generator has drawn for a retried item."""
+        results = []
+        for item in batch.items:
+            try:
+                results.extend(self.executor.execute(Batch([item], batch.finished_seq_ids)))
+            except Exception as e:
+                log.exception("request step failed (sequence %d)", item.seq_id)
+                results.append(ItemResult(None, error=f"{type(e).__name__}: {e}"))
+        return results
 
     def _postprocess(self, out: SchedulerOutput, results: list[ItemResult]) -> list[RequestOutput]:
         outputs = []
         for sched, res in zip(out.scheduled, results):
             seq = sched.seq
+            if res.error is not None:
+                self._retire(seq, "error")
+                self._sent.pop(seq.seq_id, None)
+                outputs.append(RequestOutput(seq.request_id, seq, [], "", True, res.error))
+                continue
             seq.num_computed_tokens += sched.num_tokens
             if res.prompt_logprobs and len(seq.prompt_logprobs) < seq.num_prompt_tokens - 1:
                 seq.prompt_logprobs.extend(res.prompt_logprobs)   # a recompute after preemption adds nothing twice

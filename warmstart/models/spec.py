@@ -5,7 +5,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from warmstart.errors import UserError
+from warmstart.errors import UserError, reading
 
 # architecture -> family flags. Gemma3 will add its own row (and norms) without touching these.
 FAMILIES = {
@@ -59,14 +59,12 @@ class ModelSpec:
         if not cfg_path.is_file():
             raise UserError(f"{path} has no config.json, so it is not a Hugging Face model folder. Pass the folder "
                             "that holds config.json and *.safetensors, or a .gguf file to import it first.")
-        try:
-            cfg = json.loads(cfg_path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise UserError(f"{cfg_path} is not valid JSON ({e}). The checkpoint is corrupt; download or "
-                            "convert it again.") from None
         gen_path = path / "generation_config.json"
-        gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
-        return cls.from_config(cfg, gen)
+        with reading(gen_path, "generation config", "Fix or delete generation_config.json (it is optional)."):
+            gen = _json_object(gen_path) if gen_path.is_file() else {}
+        with reading(cfg_path, "model config", "The checkpoint is corrupt or not a supported Hugging Face "
+                                               "config.json; download or convert it again."):
+            return cls.from_config(_json_object(cfg_path), gen)
 
     @classmethod
     def from_config(cls, cfg: dict, gen: dict | None = None) -> "ModelSpec":
@@ -102,7 +100,34 @@ class ModelSpec:
             checkpoint_dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
             eos_token_ids=eos_ids,
             bos_token_id=gen.get("bos_token_id", cfg.get("bos_token_id")),
-        )
+        )._validated()
+
+    def _validated(self) -> "ModelSpec":
+        """Every number the model is built from has the type and range the engine needs, so a config.json that is
+        valid JSON but unusable fails here, naming the field, not as a traceback deep in model construction."""
+        sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                 "head_dim", "max_position_embeddings")
+        for name in sizes:
+            v = getattr(self, name)
+            if type(v) is not int or not 0 < v < 2**31:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads "
+                             f"{self.num_kv_heads}")
+        if isinstance(self.rms_norm_eps, bool) or not isinstance(self.rms_norm_eps, (int, float)) or \
+                not 0 < self.rms_norm_eps < 1:
+            raise ValueError(f"rms_norm_eps must be a small positive number, got {self.rms_norm_eps!r}")
+        for t in (*self.eos_token_ids, *(() if self.bos_token_id is None else (self.bos_token_id,))):
+            if type(t) is not int or t < 0:
+                raise ValueError(f"eos/bos token ids must be non-negative integers, got {t!r}")
+        return self
+
+
+def _json_object(path: Path) -> dict:
+    doc = json.loads(path.read_text())
+    if not isinstance(doc, dict):
+        raise ValueError(f"expected a JSON object, got a {type(doc).__name__}")
+    return doc
 
 
 def _rope(cfg: dict) -> RopeSpec:

@@ -41,3 +41,5 @@ class ItemResult:
     logprobs: TokenLogprobs | None = None
     # For prompt_logprobs: one entry per fed token whose successor is a prompt token (the successor's logprob).
     prompt_logprobs: list[TokenLogprobs] | None = None
+    # Set when preparing or sampling this item raised: this request fails alone, the rest of the batch goes on.
+    error: str | None = None

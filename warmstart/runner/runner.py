@@ -8,7 +8,7 @@ from torch import nn
 
 from warmstart.runner.attention import PAGED_MAX_Q, AttentionMeta, PagedAttentionBackend, PagedRows, SeqSlice
 from warmstart.runner.batch import Batch, BatchItem, ItemResult
-from warmstart.runner.sampler import sample, token_logprobs
+from warmstart.runner.sampler import sample, sample_isolated, token_logprobs
 from warmstart.sampling_params import SamplingParams
 
 
@@ -19,6 +19,10 @@ class ModelRunner:
         self.kv: torch.Tensor | None = None
         self.block_size = 0
         self._generators: dict[int, torch.Generator] = {}
+        # Unseeded sampled requests draw from this engine-owned generator, never the global RNG: whether a boot
+        # ran the profiling forward (a plan miss) or skipped it (a hit) must not change their tokens. Seeded from
+        # the boot's --seed (boot.py calls torch.manual_seed(config.seed) before building the runner).
+        self._unseeded = torch.Generator(device=device).manual_seed(torch.initial_seed())
         self.forward = model.forward      # replaced by the compiled forward in compile mode
         self.attention_reference = False  # True: every sequence through gather + SDPA (tests' reference path)
 
@@ -125,28 +129,42 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
         sampled_idx = list(sample_row.values())
         params = [items[i].params for i in sample_row]
-        gens = [self._generator(items[i]) for i in sample_row]
-        tokens = sample(logits[sampled_idx], params, gens) if sampled_idx else []
+        gens = [lambda it=items[i]: self._generator(it) for i in sample_row]
+        tokens = sample_isolated(logits[sampled_idx], params, gens) if sampled_idx else []
         want_lp = any(it.params.logprobs is not None for it in items) or prompt_rows
         logprobs = logits.log_softmax(dim=-1) if want_lp else None
         results = []
         token_of = dict(zip(sample_row, tokens))
         for i, it in enumerate(items):
-            lp = None
-            if i in token_of and it.params.logprobs is not None:
-                lp = token_logprobs(logprobs[sample_row[i]], token_of[i], it.params.logprobs)
-            plp = None
-            if i in prompt_rows:
-                first, count = prompt_rows[i]
-                nexts = it.token_ids[1:] + ([it.next_prompt_token] if it.next_prompt_token is not None else [])
-                plp = [token_logprobs(logprobs[first + j], nexts[j], it.params.prompt_logprobs)
-                       for j in range(count)]
-            results.append(ItemResult(token_of.get(i), lp, plp))
+            # Per item, so that one request's failure (a bad value that got past validation, a bug its options
+            # reach) fails that request alone.
+            try:
+                if isinstance(token_of.get(i), Exception):
+                    raise token_of[i]
+                results.append(self._item_result(it, token_of.get(i), logprobs, sample_row.get(i),
+                                                 prompt_rows.get(i)))
+            except Exception as e:
+                results.append(ItemResult(None, error=f"sampling failed: {type(e).__name__}: {e}"))
         return results
 
+    @staticmethod
+    def _item_result(it: BatchItem, token: int | None, logprobs: torch.Tensor | None, row: int | None,
+                     prompt_rows: tuple[int, int] | None) -> ItemResult:
+        lp = None
+        if token is not None and it.params.logprobs is not None:
+            lp = token_logprobs(logprobs[row], token, it.params.logprobs)
+        plp = None
+        if prompt_rows is not None:
+            first, count = prompt_rows
+            nexts = it.token_ids[1:] + ([it.next_prompt_token] if it.next_prompt_token is not None else [])
+            plp = [token_logprobs(logprobs[first + j], nexts[j], it.params.prompt_logprobs) for j in range(count)]
+        return ItemResult(token, lp, plp)
+
     def _generator(self, item: BatchItem) -> torch.Generator | None:
-        if item.params.seed is None or item.params.greedy:
+        if item.params.greedy:
             return None
+        if item.params.seed is None:
+            return self._unseeded
         gen = self._generators.get(item.seq_id)
         if gen is None:
             gen = self._generators[item.seq_id] = torch.Generator(device=self.device).manual_seed(item.params.seed)
@@ -173,5 +191,6 @@ class ModelRunner:
         rows = min(max_num_seqs, num_tokens)
         logits = self.model.compute_logits(hidden[-rows:])
         p = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)
-        sample(logits, [p] * rows, [None] * rows)
+        scratch = torch.Generator(device=self.device)          # profiling draws must not move any RNG in use
+        sample(logits, [p] * rows, [scratch] * rows)
         logits.log_softmax(dim=-1)

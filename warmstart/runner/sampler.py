@@ -4,6 +4,8 @@ Logprobs are of the model's distribution (log_softmax of raw logits), as the Ope
 temperature-scaled and filtered distribution that the token was drawn from."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from warmstart.runner.batch import TokenLogprobs
@@ -23,6 +25,25 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, using only this request's generator.
         e = torch.empty_like(probs[j]).exponential_(generator=generators[i])
         out[i] = int((probs[j] / e).argmax())
+    return out
+
+
+def sample_isolated(logits: torch.Tensor, params: list[SamplingParams],
+                    generators: list[Callable[[], torch.Generator | None]]) -> list[int | Exception]:
+    """sample(), but a row whose preparation (its generator) or sampling raises fails alone: the batch is sampled
+    at once, and only if that raises is each row sampled by itself, so one request's bad value yields an Exception
+    in its slot instead of failing every request of the step. Generators are made before any row draws, so the
+    retry never draws twice from a good row's generator when the failure was in preparation or filtering."""
+    try:
+        return sample(logits, params, [g() for g in generators])
+    except Exception:
+        pass
+    out: list[int | Exception] = []
+    for i, p in enumerate(params):
+        try:
+            out.append(sample(logits[i:i + 1], [p], [generators[i]()])[0])
+        except Exception as e:
+            out.append(e)
     return out
 
 

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from warmstart.server import chat, completions
+from warmstart.server.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
 from warmstart.server.metrics import ROUTES, Metrics
 from warmstart.server.protocol import APIError, not_ready
 from warmstart.server.serving import ServingContext
@@ -47,9 +48,11 @@ class ServerState:
 
 
 def create_app(state: ServerState, on_startup: Callable[[asyncio.AbstractEventLoop], None] | None = None,
-               on_shutdown: Callable[[], None] | None = None) -> FastAPI:
+               on_shutdown: Callable[[], None] | None = None,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """on_startup runs when the server starts (before it listens) with the running loop; it must not block.
-    on_shutdown runs after the last request has finished or been cancelled."""
+    on_shutdown runs after the last request has finished or been cancelled. Bodies over max_request_bytes are
+    answered 413 before they are parsed."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -63,6 +66,7 @@ def create_app(state: ServerState, on_startup: Callable[[asyncio.AbstractEventLo
 
     app = FastAPI(title="warmstart", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.server = state
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     app.add_middleware(_CountRequests, metrics=state.metrics)
     _add_error_handlers(app)
 

@@ -200,6 +200,11 @@ class AsyncEngine:
             route = self._routes.get(o.request_id)
             if route is None:
                 continue
+            if o.error is not None:               # this request alone failed; its HTTP request gets the error
+                del self._routes[o.request_id]
+                batch.append((route.queue, EngineFailure(f"Request {o.request_id} (choice {route.index}) "
+                                                         f"failed in the engine: {o.error}")))
+                continue
             batch.append((route.queue, _snapshot(o, route)))
             route.first = False
             if o.finished:

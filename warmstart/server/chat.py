@@ -7,6 +7,7 @@ from typing import AsyncIterator
 import jinja2
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from warmstart.errors import UserError
 from warmstart.server.async_engine import SubRequest
@@ -19,16 +20,10 @@ ROUTE = "/v1/chat/completions"
 
 
 async def create_chat_completion(ctx: ServingContext, request: Request) -> Response:
-    req: ChatCompletionRequest = parse(ChatCompletionRequest, await request.body())
+    # Parsing, templating and tokenizing a body of megabytes takes seconds: never on the event loop.
+    req: ChatCompletionRequest = await run_in_threadpool(parse, ChatCompletionRequest, await request.body())
     ctx.check_model(req.model)
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-    try:
-        ids = ctx.tokenizer.encode_chat(messages)
-    except UserError as e:
-        raise bad_request(str(e), "messages") from None
-    except jinja2.TemplateError as e:
-        raise bad_request(f"The chat template rejected these messages: {e}", "messages") from None
-    ctx.check_prompt(ids, "messages")
+    ids = await run_in_threadpool(_encode, ctx, req)
     top = (req.top_logprobs or 0) if req.logprobs else None
     subs = [SubRequest(i, ids, ctx.params(req, len(ids), req.token_limit, choice=i, logprobs=top))
             for i in range(req.n)]
@@ -49,6 +44,18 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     completion_tokens = sum(len(r.token_ids) for r in results.values())
     return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": ctx.model_name,
                          "choices": choices, "usage": usage(len(ids), completion_tokens)})
+
+
+def _encode(ctx: ServingContext, req: ChatCompletionRequest) -> list[int]:
+    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    try:
+        ids = ctx.tokenizer.encode_chat(messages)
+    except UserError as e:
+        raise bad_request(str(e), "messages") from None
+    except jinja2.TemplateError as e:
+        raise bad_request(f"The chat template rejected these messages: {e}", "messages") from None
+    ctx.check_prompt(ids, "messages")
+    return ids
 
 
 async def _stream(ctx: ServingContext, gen: Generation, req: ChatCompletionRequest, rid: str, created: int,

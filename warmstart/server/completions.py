@@ -12,6 +12,7 @@ from typing import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from warmstart.server.async_engine import Delta, SubRequest
 from warmstart.server.protocol import CompletionRequest, parse
@@ -44,14 +45,10 @@ class _Plan:
 
 
 async def create_completion(ctx: ServingContext, request: Request) -> Response:
-    req: CompletionRequest = parse(CompletionRequest, await request.body())
+    # Parsing and tokenizing a body of megabytes takes seconds: never on the event loop.
+    req: CompletionRequest = await run_in_threadpool(parse, CompletionRequest, await request.body())
     ctx.check_model(req.model)
-    prompts = []
-    for p in req.prompts():
-        ids = ctx.tokenizer.encode(p) if isinstance(p, str) else p
-        ctx.check_prompt(ids, "prompt")
-        # token-id prompts echo (and offset logprobs) as their decoded text; only in-vocabulary ids get here
-        prompts.append(_Prompt(ids, p if isinstance(p, str) else ctx.tokenizer.decode(ids, skip_special_tokens=False)))
+    prompts = await run_in_threadpool(_tokenize, ctx, req)
     score_only = req.max_tokens == 0
     prompt_lp = req.logprobs if req.echo and req.logprobs is not None else None
     subs = []
@@ -84,6 +81,16 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
                         "finish_reason": r.finish_reason})
     return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name,
                          "choices": choices, "usage": usage(plan.prompt_tokens, completion_tokens)})
+
+
+def _tokenize(ctx: ServingContext, req: CompletionRequest) -> list[_Prompt]:
+    prompts = []
+    for p in req.prompts():
+        ids = ctx.tokenizer.encode(p) if isinstance(p, str) else p
+        ctx.check_prompt(ids, "prompt")
+        # token-id prompts echo (and offset logprobs) as their decoded text; only in-vocabulary ids get here
+        prompts.append(_Prompt(ids, p if isinstance(p, str) else ctx.tokenizer.decode(ids, skip_special_tokens=False)))
+    return prompts
 
 
 def _echo_logprobs(legacy: LegacyLogprobs, p: _Prompt, prompt_lp) -> dict:

@@ -11,13 +11,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import errno
 import logging
+import os
 import signal
+import socket
 import sys
 import threading
 from pathlib import Path
 
-from warmstart.errors import UserError
+from warmstart.errors import UserError, user_error
 
 log = logging.getLogger("warmstart.server")
 
@@ -25,7 +28,8 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 def register_cli(subparsers) -> None:
-    from warmstart.cli import add_engine_args
+    from warmstart.cli import add_engine_args, byte_size
+    from warmstart.server.limits import DEFAULT_MAX_REQUEST_BYTES
     p = subparsers.add_parser("serve", help="boot and serve the OpenAI-compatible HTTP API",
                               description="Serve MODEL over an OpenAI-compatible HTTP API (/v1/chat/completions, "
                                           "/v1/completions, /v1/models) plus /health, /ready, /startup, /metrics.")
@@ -34,13 +38,16 @@ def register_cli(subparsers) -> None:
     add_engine_args(p, model_required=False)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    g.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    g.add_argument("--port", type=_port, default=8000, help="port to listen on (default 8000)")
     g.add_argument("--served-model-name", default=None,
                    help=f"the model id clients send (default: the model folder's name, {DEFAULT_MODEL_NAME} for "
                         "the default model)")
     g.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="on SIGTERM, how long in-flight requests may run before they are aborted (default 10)")
     g.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    g.add_argument("--max-request-bytes", type=byte_size, default=DEFAULT_MAX_REQUEST_BYTES, metavar="BYTES",
+                   help="larger request bodies are refused with 413 before they are parsed "
+                        f"(default {DEFAULT_MAX_REQUEST_BYTES // 2**20}MiB)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -63,7 +70,13 @@ class _Launch:
         self._lock = threading.Lock()
 
     def on_startup(self, loop: asyncio.AbstractEventLoop) -> None:
-        threading.Thread(target=self._boot, args=(loop,), name="warmstart-boot", daemon=True).start()
+        self.boot_thread = threading.Thread(target=self._boot, args=(loop,), name="warmstart-boot", daemon=True)
+        self.boot_thread.start()
+
+    @property
+    def booting(self) -> bool:
+        thread = getattr(self, "boot_thread", None)
+        return thread is not None and thread.is_alive()
 
     def _boot(self, loop: asyncio.AbstractEventLoop) -> None:
         from warmstart.boot import boot
@@ -71,8 +84,8 @@ class _Launch:
         from warmstart.server.serving import ServingContext
         try:
             booted = boot(self.config, self.timer)
-        except UserError as e:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+        except (UserError, OSError) as e:       # worded by errors.py, as the CLI's own commands are
+            print(f"error: {user_error(e)}", file=sys.stderr, flush=True)
             self._fail(2)
             return
         except BaseException:
@@ -124,14 +137,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from warmstart.server.api import ServerState, create_app
     from warmstart.startup.steps import StepTimer
 
+    # Until uvicorn installs its own handlers, SIGTERM means "stop now, cleanly": exit 0, as it does later.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     timer = StepTimer.from_process_start()
     config = config_from_args(args)
     state = ServerState(args.served_model_name or served_model_name(args.model))
     launch = _Launch(config, timer, state)
-    app = create_app(state, on_startup=launch.on_startup, on_shutdown=launch.on_shutdown)
+    app = create_app(state, on_startup=launch.on_startup, on_shutdown=launch.on_shutdown,
+                     max_request_bytes=args.max_request_bytes)
     # uvicorn's own timeout (cancel the request tasks) is only the backstop for a handler that ignores the abort.
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, access_log=args.access_log,
                                timeout_graceful_shutdown=args.shutdown_timeout + 5, lifespan="on")
+    # Bind before anything boots: a port in use is a one-paragraph UserError (exit 2) instead of uvicorn's log
+    # line and exit 3 with a boot thread already running.
+    sockets = listen_sockets(args.host, args.port)
     server = launch.server = _make_server(uv_config, args.shutdown_timeout, launch.on_drain_timeout)
     log.info("serving %s as %r on http://%s:%d; /health answers now, /ready once the engine has booted",
              args.model, state.model_name, args.host, args.port)
@@ -139,14 +158,62 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # turn a graceful SIGTERM into death by signal. These handlers make it a normal exit instead.
     previous = {sig: signal.signal(sig, _note_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        server.run()
+        server.run(sockets=sockets)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if launch.booting:
+        # Stopped (SIGTERM, Ctrl-C, a failed bind) while the boot thread is still inside torch: interpreter
+        # teardown would race it (finalizers, C++ static destructors under a running thread: SIGABRT). Nothing
+        # of the boot needs keeping (a plan is written atomically), so leave at once.
+        log.info("stopped while booting; exiting without waiting for the boot")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(launch.exit_code)
     # Everything is released by now. Interpreter teardown would spend seconds garbage-collecting torch's and the
     # web stack's object graphs; frozen objects are skipped by those collections, so SIGTERM -> exit stays fast.
     gc.freeze()
     return launch.exit_code
+
+
+def _port(text: str) -> int:
+    import argparse
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (0..65535)")
+    return port
+
+
+def listen_sockets(host: str, port: int) -> list[socket.socket]:
+    """Bound (not yet listening) sockets for every address host resolves to, as uvicorn would make them."""
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as e:
+        raise UserError(f"--host {host!r} is not an address this machine can listen on ({e}). Pass an IP address "
+                        "such as 127.0.0.1 or 0.0.0.0, or a resolvable host name.") from None
+    sockets, seen = [], set()
+    try:
+        for family, type_, proto, _, addr in infos:
+            if (family, addr) in seen:
+                continue
+            seen.add((family, addr))
+            sock = socket.socket(family, type_, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(addr)
+    except OSError as e:
+        for sock in sockets:
+            sock.close()
+        hint = ("another process is using the port: stop it or pick another with --port"
+                if e.errno == errno.EADDRINUSE else "check --host and --port")
+        raise UserError(f"Cannot listen on {host}:{port}: {e.strerror or e}; {hint}.") from None
+    return sockets
 
 
 def _make_server(config, drain_timeout: float, on_drain_timeout):
@@ -161,6 +228,10 @@ def _make_server(config, drain_timeout: float, on_drain_timeout):
             await super().shutdown(sockets)
 
     return Server(config)
+
+
+def _exit_on_sigterm(signum: int, frame) -> None:
+    raise SystemExit(0)
 
 
 def _note_signal(signum: int, frame) -> None:

@@ -3,12 +3,16 @@ wrong type is a 400 that names the field, never a silent coercion."""
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from warmstart.sampling_params import SamplingParams
+
 MAX_N = 64                     # choices per request; each is one engine sequence
 MAX_STOP = 16                  # stop strings per request
+MAX_DEPTH = 64                 # JSON nesting: no field of any request goes near it; deeper is an attack or a bug
+TokenId = Annotated[int, Field(ge=0, lt=2**63)]      # token ids become int64 tensors
 
 
 class APIError(Exception):
@@ -61,10 +65,10 @@ class SamplingRequest(_Request):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # extras (not in OpenAI's API; the openai client sends them through extra_body)
-    top_k: int | None = Field(None, ge=0)
+    top_k: int | None = Field(None, ge=0, le=SamplingParams.MAX_TOP_K)
     min_p: float | None = Field(None, ge=0, le=1)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
 
     def stop_strings(self) -> tuple[str, ...]:
         stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -102,8 +106,8 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=SamplingParams.MAX_TOKENS)
+    max_completion_tokens: int | None = Field(None, ge=1, le=SamplingParams.MAX_TOKENS)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Any] | None = None
@@ -124,12 +128,12 @@ class ChatCompletionRequest(SamplingRequest):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-Prompt = str | list[int] | list[str | list[int]]        # a batch may mix text and token-id prompts
+Prompt = str | list[TokenId] | list[str | list[TokenId]]        # a batch may mix text and token-id prompts
 
 
 class CompletionRequest(SamplingRequest):
     prompt: Prompt
-    max_tokens: int | None = Field(None, ge=0)        # 0 is allowed with echo: scoring a prompt, generating nothing
+    max_tokens: int | None = Field(None, ge=0, le=SamplingParams.MAX_TOKENS)   # 0 is allowed with echo: scoring a prompt, generating nothing
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
@@ -160,19 +164,63 @@ class CompletionRequest(SamplingRequest):
 
 
 def parse(model: type[_Request], raw: bytes) -> Any:
-    """JSON bytes -> a validated request, or an APIError(400) naming the first bad field."""
+    """JSON bytes -> a validated request, or an APIError(400) naming the first bad field. Bad input of any shape
+    is a 400 here, never a 500 later: non-standard constants (NaN, Infinity), nesting deeper than MAX_DEPTH, and
+    strings that are not Unicode text (lone UTF-16 surrogates, which no tokenizer can encode) are refused up front.
+    Runs off the event loop (the routes call it in a worker thread): a body may be megabytes."""
     try:
-        data = json.loads(raw)
+        data = json.loads(raw, parse_constant=_no_constant)
+    except RecursionError:
+        raise bad_request(f"The request body is nested too deeply (more than {MAX_DEPTH} levels).",
+                          code="invalid_json") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise bad_request(f"The request body is not valid JSON: {e}.", code="invalid_json") from None
     if not isinstance(data, dict):
         raise bad_request("The request body must be a JSON object.", code="invalid_json")
+    check_json(data)
     try:
         request = model.model_validate(data)
     except ValidationError as e:
         raise validation_error(e) from None
     request.check_unsupported()
     return request
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def check_json(data: Any) -> None:
+    """Walk the decoded body without recursion: depth at most MAX_DEPTH, every string (keys too) encodable as
+    UTF-8. The error names the field path, e.g. messages.0.content."""
+    stack: list[tuple[Any, tuple, int]] = [(data, (), 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise bad_request(f"{_path(path)}: nested more than {MAX_DEPTH} levels deep.", _path(path) or None,
+                              "invalid_parameter")
+        if isinstance(value, str):
+            _check_text(value, path)
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                _check_text(k, path + (k,))
+                stack.append((v, path + (k,), depth + 1))
+        elif isinstance(value, list):
+            stack.extend((v, path + (i,), depth + 1) for i, v in enumerate(value))
+
+
+def _check_text(s: str, path: tuple) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        where = _path(path) or "body"
+        raise bad_request(f"{where}: the text holds a lone UTF-16 surrogate ({s[e.start]!r} at character "
+                          f"{e.start}), which is not Unicode text; send valid UTF-8/UTF-16 pairs.",
+                          _path(path) or None, "invalid_parameter") from None
+
+
+def _path(path: tuple) -> str:
+    return ".".join(str(p) for p in path)
 
 
 def validation_error(e: ValidationError) -> APIError:

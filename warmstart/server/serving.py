@@ -74,7 +74,7 @@ class ServingContext:
                 stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs)
         except UserError as e:
-            raise bad_request(str(e)) from None
+            raise bad_request(str(e), e.param) from None
 
 
 def new_id(prefix: str) -> str:

@@ -17,6 +17,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from warmstart.errors import UserError
+
 CPU_FLAGS = ("avx", "avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile", "neon", "sve")
 
 
@@ -138,7 +140,13 @@ class CudaDevice(Device):
 
 
 def get_device(kind: str, index: int = 0) -> Device:
-    return CudaDevice(index) if kind == "cuda" else CpuDevice()
+    if kind != "cuda":
+        return CpuDevice()
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if index >= count:
+        raise UserError(f"--device cuda:{index} asks for a GPU this machine does not have (torch sees "
+                        f"{count} CUDA device{'s' if count != 1 else ''}). Use --device cpu, or a valid index.")
+    return CudaDevice(index)
 
 
 class _AllocationTracker(TorchFunctionMode):

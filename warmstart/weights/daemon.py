@@ -17,13 +17,14 @@ import logging
 import os
 import signal
 import socket
+import stat
 import threading
 import time
 from pathlib import Path
 
 import torch
 
-from warmstart.errors import UserError
+from warmstart.errors import UserError, from_os_error
 from warmstart.weights import protocol as P
 from warmstart.weights import transport as T
 from warmstart.weights.loader import load_tensors, weights_nbytes
@@ -43,7 +44,15 @@ def acquire_lock(sock_path: Path) -> int:
     """Hold `<socket>.lock` exclusively for this process's life; UserError naming the holder if taken."""
     import fcntl
     lock_path = f"{sock_path}.lock"
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        # O_NOFOLLOW: a symlink planted at the lock path must not make us create or truncate its target.
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+    except OSError as e:
+        raise from_os_error(e, f"taking the daemon lock {lock_path}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UserError(f"{lock_path} is not a regular file, so it cannot be the daemon's lock. Remove it (it may "
+                        "have been planted by another user), or serve on another --socket-dir.")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

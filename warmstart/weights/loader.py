@@ -55,6 +55,9 @@ def checkpoint_identity(model_dir: Path) -> list[dict]:
             if len(raw) < 8:
                 raise UserError(f"{f} is truncated (shorter than a safetensors header). Download it again.")
             (n,) = struct.unpack("<Q", raw)
+            if n > size - 8:
+                raise UserError(f"{f} declares a {n}-byte safetensors header but the file has {size} bytes; it "
+                                "is corrupt or truncated. Download or convert it again.")
             header = fh.read(min(n, 100 * 2**20))
             data_start, samples = 8 + n, hashlib.sha256()
             span = max(0, size - data_start - _WINDOW)
