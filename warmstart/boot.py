@@ -20,6 +20,7 @@ from warmstart.runner.runner import ModelRunner
 from warmstart.sampling_params import SamplingParams
 from warmstart.keys import compile_key, plan_key
 from warmstart.planning import MemoryPlanner, ResidentCheck
+from warmstart.prefix_store import PrefixOutcome, PrefixStore
 from warmstart.startup.device import DeviceFacts, get_device
 from warmstart.startup.ledger import OVERHEAD_QUANTUM, MemoryLedger, round_up
 from warmstart.startup.plan import PlanStore
@@ -44,6 +45,7 @@ class Booted:
     ledger: MemoryLedger
     report: StartupReport
     max_model_len: int
+    prefix: PrefixStore | None = None        # saves the prefix cache at a graceful shutdown (None: off)
 
 
 def resolve_model_dir(model: str, cache_dir: Path) -> Path:
@@ -110,7 +112,11 @@ def boot(config: EngineConfig, timer: StepTimer | None = None) -> Booted:
         _check_fits(ledger, max_model_len, config)
         runner.allocate_kv(ledger.num_kv_blocks, ledger.block_size)
     engine = Engine(runner, SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, max_model_len),
-                    ledger.num_kv_blocks, ledger.block_size, spec.vocab_size, spec.eos_token_ids, tokenizer.decode)
+                    ledger.num_kv_blocks, ledger.block_size, spec.vocab_size, spec.eos_token_ids, tokenizer.decode,
+                    enable_prefix_caching=config.enable_prefix_caching)
+    with timer.step("prefix restore"):
+        prefix = PrefixStore.for_boot(config, model_dir, spec, facts, dtype, kv_dtype)
+        restored = prefix.restore(runner, engine.blocks) if prefix else PrefixOutcome("off")
     with timer.step("warm-up"):
         compile_info = None
         if config.compile:
@@ -123,12 +129,12 @@ def boot(config: EngineConfig, timer: StepTimer | None = None) -> Booted:
         resident = ResidentCheck.measure(device, ledger)
         plan = planner.finish(runner, ledger, max_model_len, resident)
         log.info("%s\n  %s", ledger.table(), resident.describe())
-    extra = {"resident": resident.to_dict()}
+    extra = {"resident": resident.to_dict(), "prefix_restore": restored.to_dict()}
     if compile_info:
         extra["compile"] = compile_info.snapshot()
     report = StartupReport(timer.wall_seconds, timer.to_list(), plan, ledger, weights_outcome, extra=extra)
     log.info("startup steps:\n%s", timer.table())
-    return Booted(config, model_dir, spec, tokenizer, runner, engine, ledger, report, max_model_len)
+    return Booted(config, model_dir, spec, tokenizer, runner, engine, ledger, report, max_model_len, prefix)
 
 
 def _device_index(device: str) -> int:
