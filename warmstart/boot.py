@@ -12,7 +12,7 @@ import torch
 
 from warmstart.config import EngineConfig, format_bytes
 from warmstart.engine.engine import Engine
-from warmstart.engine.scheduler import SchedulerLimits
+from warmstart.engine.scheduler import PrefixStats, SchedulerLimits
 from warmstart.errors import UserError
 from warmstart.models.registry import build_model
 from warmstart.models.spec import ModelSpec
@@ -171,3 +171,4 @@ def _warm_up(engine: Engine) -> None:
     while engine.has_unfinished:
         engine.step()
     engine.step()                                  # flushes the finished id to the runner
+    engine.scheduler.prefix_stats = PrefixStats()  # the warm-up is not traffic: hit rates start at the first request
