@@ -1,7 +1,8 @@
 """Prometheus metrics on the server's own registry (never the global one, so two apps in a process never collide).
 
 Request counts and latencies, tokens, KV usage, the prefix cache (cached prompt tokens, hit rate, blocks), and the
-boot: startup step durations, plan status, weight source and prefix blocks restored. The engine thread updates the engine gauges after each step; everything else is updated on the loop."""
+boot: startup step durations, plan status, weight source and prefix blocks restored. The engine thread updates the
+engine gauges after each step; everything else is updated on the loop."""
 from __future__ import annotations
 
 import time
