@@ -19,6 +19,7 @@ class GenerationOutput:
     finish_reason: str | None
     logprobs: list[TokenLogprobs]
     prompt_logprobs: list[TokenLogprobs]
+    num_cached_tokens: int = 0              # prompt tokens whose K/V came from the prefix cache
 
 
 class LLM:
@@ -87,4 +88,4 @@ class LLM:
             engine.step()
         engine.step()                         # let the runner drop finished requests' state
         return [GenerationOutput(s.prompt_token_ids, s.output_token_ids, s.output_text, s.finish_reason,
-                                 list(s.logprobs), list(s.prompt_logprobs)) for s in seqs]
+                                 list(s.logprobs), list(s.prompt_logprobs), s.num_cached_tokens) for s in seqs]
