@@ -83,7 +83,7 @@ def test_last_prompt_token_is_always_computed():
     out = run_step(s)
     # Both blocks are cached, but the second holds the last token, whose logits are sampled: only block 0 is used.
     assert [(x.seq.seq_id, x.num_tokens) for x in out.scheduled] == [(1, 4)]
-    assert out.batch.items[0].start == 4 and b.block_table == [0, 2]
+    assert out.batch.items[0].start == 4 and b.block_table == [0, 2, 3]   # block 1 (half full) was not kept
 
 
 def test_eviction_takes_never_cached_blocks_first_then_least_recently_freed():
@@ -231,3 +231,30 @@ def test_cached_blocks_most_recent_first_and_adopt():
     fresh.allocate(c, 28)                     # 7 blocks: the six never-cached ones, then the LRU's oldest
     assert c.block_table == [0, 1, 2, 3, 4, 7, 6]
     assert fresh.match(seq(4, [*range(1, 9), 1])) == [5]
+
+
+def test_chunked_prefill_shares_the_chunks_already_computed():
+    s, bm = make(max_tokens=12)
+    a = seq(0, range(1, 21))
+    s.add(a)
+    run_step(s)                               # a's first chunk: 12 tokens, blocks 0-2 full
+    b = seq(1, range(1, 21))
+    s.add(b)
+    out = run_step(s)                         # a's last 8 tokens; b takes a's 3 computed blocks, then a 4-token chunk
+    assert [(x.seq.seq_id, x.num_tokens) for x in out.scheduled] == [(0, 8), (1, 4)]
+    assert a.block_table == [0, 1, 2, 3, 4] and b.block_table == [0, 1, 2, 5]
+    assert out.batch.items[1].start == 12 and not out.batch.items[1].sample
+    assert [bm.ref_count(x) for x in range(6)] == [2, 2, 2, 1, 1, 1] and b.num_cached_tokens == 12
+
+
+def test_abort_mid_prefill_keeps_the_computed_full_blocks():
+    s, bm = make(max_tokens=6)
+    a = seq(0, range(1, 21))
+    s.add(a)
+    run_step(s)                               # 6 tokens computed: block 0 full, block 1 half
+    s.finish(a, "abort")
+    assert bm.num_cached == 1 and bm.num_free == 16
+    b = seq(1, range(1, 21))
+    s.add(b)
+    out = run_step(s)
+    assert out.batch.items[0].start == 4 and b.block_table == [0, 2, 3]   # block 1 (half full) was not kept

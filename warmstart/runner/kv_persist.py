@@ -38,7 +38,11 @@ class Snapshot:
     nbytes: int
 
     def copy_into(self, kv: torch.Tensor, rows: list[int], blocks: list[int]) -> None:
-        """Write saved blocks `rows` into cache blocks `blocks` (the one copy of the restore)."""
+        """Write saved blocks `rows` into cache blocks `blocks`. At boot both are usually one contiguous run
+        (the first free blocks, the file's first rows): then it is one copy straight from the mapping."""
+        if _is_run(rows) and _is_run(blocks):
+            kv[:, :, blocks[0]:blocks[0] + len(blocks)].copy_(self.data[:, :, rows[0]:rows[0] + len(rows)])
+            return
         src = self.data.index_select(2, torch.tensor(rows, dtype=torch.long))
         kv.index_copy_(2, torch.tensor(blocks, dtype=torch.long, device=kv.device), src.to(kv.device))
 
@@ -107,6 +111,10 @@ def read(path: Path, key: dict, kv: torch.Tensor) -> Snapshot:
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
+
+
+def _is_run(xs: list[int]) -> bool:
+    return bool(xs) and xs[-1] - xs[0] == len(xs) - 1 and all(b - a == 1 for a, b in zip(xs, xs[1:]))
 
 
 def _numel(shape: list[int]) -> int:
