@@ -13,7 +13,7 @@ import torch
 from warmstart import threads
 from warmstart.config import EngineConfig, format_bytes
 from warmstart.engine.engine import Engine
-from warmstart.engine.scheduler import SchedulerLimits
+from warmstart.engine.scheduler import PrefixStats, SchedulerLimits
 from warmstart.errors import UserError
 from warmstart.models.registry import build_model
 from warmstart.models.spec import ModelSpec
@@ -21,6 +21,7 @@ from warmstart.runner.runner import ModelRunner
 from warmstart.sampling_params import SamplingParams
 from warmstart.keys import compile_key, plan_key
 from warmstart.planning import MemoryPlanner, ResidentCheck
+from warmstart.prefix_store import PrefixOutcome, PrefixStore
 from warmstart.startup.device import DeviceFacts, get_device
 from warmstart.startup.ledger import OVERHEAD_QUANTUM, MemoryLedger, round_up
 from warmstart.startup.plan import PlanStore
@@ -45,6 +46,7 @@ class Booted:
     ledger: MemoryLedger
     report: StartupReport
     max_model_len: int
+    prefix: PrefixStore | None = None        # saves the prefix cache at a graceful shutdown (None: off)
 
 
 def resolve_model_dir(model: str, cache_dir: Path) -> Path:
@@ -119,7 +121,11 @@ def boot(config: EngineConfig, timer: StepTimer | None = None) -> Booted:
         _check_fits(ledger, max_model_len, config)
         runner.allocate_kv(ledger.num_kv_blocks, ledger.block_size)
     engine = Engine(runner, SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, max_model_len),
-                    ledger.num_kv_blocks, ledger.block_size, spec.vocab_size, spec.eos_token_ids, tokenizer.decode)
+                    ledger.num_kv_blocks, ledger.block_size, spec.vocab_size, spec.eos_token_ids, tokenizer.decode,
+                    enable_prefix_caching=config.enable_prefix_caching)
+    with timer.step("prefix restore"):
+        prefix = PrefixStore.for_boot(config, model_dir, spec, facts, dtype, kv_dtype)
+        restored = prefix.restore(runner, engine.blocks) if prefix else PrefixOutcome("off")
     with timer.step("warm-up"):
         compile_info = None
         if config.compile:
@@ -134,12 +140,13 @@ def boot(config: EngineConfig, timer: StepTimer | None = None) -> Booted:
         log.info("%s\n  %s", ledger.table(), resident.describe())
     extra = {"resident": resident.to_dict(), "threads": thread_settings.to_dict(),
              "dtype": str(dtype).removeprefix("torch."),
-             "quantization": _quantization_summary(loaded.tensors, config.quantization)}
+             "quantization": _quantization_summary(loaded.tensors, config.quantization),
+             "prefix_restore": restored.to_dict()}
     if compile_info:
         extra["compile"] = compile_info.snapshot()
     report = StartupReport(timer.wall_seconds, timer.to_list(), plan, ledger, weights_outcome, extra=extra)
     log.info("startup steps:\n%s", timer.table())
-    return Booted(config, model_dir, spec, tokenizer, runner, engine, ledger, report, max_model_len)
+    return Booted(config, model_dir, spec, tokenizer, runner, engine, ledger, report, max_model_len, prefix)
 
 
 def _quantization_summary(tensors: dict[str, torch.Tensor], requested: str) -> dict:
@@ -187,3 +194,4 @@ def _warm_up(engine: Engine) -> None:
     while engine.has_unfinished:
         engine.step()
     engine.step()                                  # flushes the finished id to the runner
+    engine.scheduler.prefix_stats = PrefixStats()  # the warm-up is not traffic: hit rates start at the first request

@@ -64,6 +64,11 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
                    help=f"plans, imported models and the compiler cache (default {warmstart_cache_dir()}, "
                         "or $WARMSTART_CACHE_DIR)")
     g.add_argument("--seed", type=int, default=_D["seed"], help="global seed for unseeded sampling")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="do not reuse cached KV blocks of earlier prompts (prefix caching is on by default)")
+    g.add_argument("--prefix-cache-persist", type=byte_size, default=_D["prefix_cache_persist"], metavar="BYTES",
+                   help="on graceful shutdown, save up to this much of the most recently used cached KV to the cache "
+                        "dir and restore it at the next boot (default 64MiB; 0 disables)")
     g = p.add_argument_group("startup plans")
     g.add_argument("--startup-plan", default=_D["startup_plan"],
                    choices=["auto", "off", "read", "write", "require"],
@@ -89,7 +94,8 @@ def config_from_args(args: argparse.Namespace, model: str | None = None) -> Engi
               kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization, compile=args.compile, seed=args.seed, threads=args.threads,
               startup_plan=args.startup_plan, plan_free_tolerance=args.plan_free_tolerance,
               load_format=args.load_format, weight_socket=args.weight_socket, weight_mode=args.weight_mode,
-              weight_fallback=args.weight_fallback == "on")
+              weight_fallback=args.weight_fallback == "on", enable_prefix_caching=args.enable_prefix_caching,
+              prefix_cache_persist=args.prefix_cache_persist)
     if args.cache_dir:
         kw["cache_dir"] = args.cache_dir
     return EngineConfig(**kw)

@@ -74,6 +74,9 @@ class EngineConfig:
     weight_mode: WeightMode = "zero_copy"
     weight_fallback: bool = True
     draft_model: str | None = None
+    # prefix cache: reuse cached full KV blocks across requests, and keep the hottest across a restart
+    enable_prefix_caching: bool = True
+    prefix_cache_persist: int = 64 * 2**20    # bytes of cached KV written at graceful shutdown; 0 disables save+restore
     # parallelism (single process today; part of every key so that plans never cross ranks)
     rank: int = 0
     world_size: int = 1
@@ -111,6 +114,8 @@ class EngineConfig:
                f"--load-format {self.load_format!r} is not one of auto, disk, daemon.")
         _check(self.weight_mode in ("zero_copy", "copy"),
                f"--weight-mode {self.weight_mode!r} is not one of zero_copy, copy.")
+        _check(self.prefix_cache_persist >= 0, f"--prefix-cache-persist must be a size of 0 or more (0 disables "
+               f"it), got {self.prefix_cache_persist}.")
         _check(0 <= self.rank < self.world_size, f"rank {self.rank} is outside world size {self.world_size}.")
 
     @property

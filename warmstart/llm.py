@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from warmstart.boot import Booted, boot
 from warmstart.config import EngineConfig
+from warmstart.prefix_store import PrefixOutcome
 from warmstart.runner.batch import TokenLogprobs
 from warmstart.sampling_params import SamplingParams
 from warmstart.startup.steps import StepTimer
@@ -18,6 +19,7 @@ class GenerationOutput:
     finish_reason: str | None
     logprobs: list[TokenLogprobs]
     prompt_logprobs: list[TokenLogprobs]
+    num_cached_tokens: int = 0              # prompt tokens whose K/V came from the prefix cache
 
 
 class LLM:
@@ -36,6 +38,22 @@ class LLM:
         self.booted = booted
         self.tokenizer = booted.tokenizer
         self._next_id = 0
+        self._closed = False
+
+    def close(self) -> PrefixOutcome | None:
+        """Save the most recently used cached prefix blocks (up to prefix_cache_persist bytes) for the next boot
+        of this model. Idempotent; None when there was nothing to do (closed already, or persistence off)."""
+        if self._closed:
+            return None
+        self._closed = True
+        b = self.booted
+        return b.prefix.save(b.runner, b.engine.blocks) if b.prefix else None
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def report(self):
@@ -70,4 +88,4 @@ class LLM:
             engine.step()
         engine.step()                         # let the runner drop finished requests' state
         return [GenerationOutput(s.prompt_token_ids, s.output_token_ids, s.output_text, s.finish_reason,
-                                 list(s.logprobs), list(s.prompt_logprobs)) for s in seqs]
+                                 list(s.logprobs), list(s.prompt_logprobs), s.num_cached_tokens) for s in seqs]

@@ -35,8 +35,8 @@ def test_generate_writes_report_whose_steps_tile_the_wall_clock(ckpt, tmp_path):
     assert r.returncode == 0, r.stderr
     d = json.loads(report.read_text())
     names = [s["name"] for s in d["steps"]]
-    assert names == ["imports", "config", "tokenizer", "weights", "memory profile", "kv allocation", "warm-up",
-                     "ready"]
+    assert names == ["imports", "config", "tokenizer", "weights", "memory profile", "kv allocation",
+                     "prefix restore", "warm-up", "ready"]
     total = sum(s["seconds"] for s in d["steps"])
     assert abs(total - d["wall_seconds"]) <= 0.05 * d["wall_seconds"]
     assert d["steps"][0]["seconds"] > 0.1            # interpreter start and imports are counted, not lost

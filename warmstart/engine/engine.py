@@ -37,9 +37,9 @@ class RequestOutput:
 class Engine:
     def __init__(self, executor: Executor, limits: SchedulerLimits, num_blocks: int, block_size: int,
                  vocab_size: int, eos_token_ids: tuple[int, ...] = (),
-                 decode: Callable[[list[int]], str] | None = None):
+                 decode: Callable[[list[int]], str] | None = None, enable_prefix_caching: bool = True):
         self.executor, self.limits, self.vocab_size = executor, limits, vocab_size
-        self.blocks = BlockManager(num_blocks, block_size)
+        self.blocks = BlockManager(num_blocks, block_size, enable_caching=enable_prefix_caching)
         self.scheduler = Scheduler(limits, self.blocks)
         self.eos_token_ids = set(eos_token_ids)
         self.decode = decode

@@ -3,7 +3,12 @@
 Every step has a token budget (max_num_batched_tokens). Running sequences go first, in arrival order: a decoding
 sequence takes 1 token, a sequence mid-prefill takes the next chunk. Waiting sequences are admitted FCFS with what
 is left, up to max_num_seqs running. When a running sequence needs a block and none is free, the most recently
-admitted running sequence is preempted: its blocks are freed and it is re-queued at the front, to be recomputed."""
+admitted running sequence is preempted: its blocks are freed and it is re-queued at the front, to be recomputed.
+
+Prefix caching: at admission a sequence takes the longest run of cached blocks holding its leading tokens and
+starts computing after them (BatchItem.start > 0, the same path as a later prefill chunk). A preempted sequence
+finds its own freed blocks this way unless they were evicted meanwhile. A request that wants prompt logprobs skips
+the lookup: every prompt row must be computed to produce them."""
 from __future__ import annotations
 
 from collections import deque
@@ -19,6 +24,17 @@ class SchedulerLimits:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+
+
+@dataclass
+class PrefixStats:
+    """Prompt tokens looked up in the prefix cache at first admission, and how many were found (tokens)."""
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
 
 @dataclass(frozen=True)
@@ -57,6 +73,7 @@ class Scheduler:
         # Parallel samples of one prompt wait here until their parent has the prompt in the KV cache; then they
         # share its full prompt blocks (reference-counted) and compute only the rest.
         self.forks: dict[int, tuple[Sequence, list[Sequence]]] = {}
+        self.prefix_stats = PrefixStats()
 
     def add(self, seq: Sequence, children: list[Sequence] | None = None) -> None:
         """Queue seq; `children` (same prompt) are admitted once seq's prompt is cached, sharing its blocks."""
@@ -86,13 +103,15 @@ class Scheduler:
                     continue
                 if share and child.params.prompt_logprobs is None:     # prompt logprobs need every prompt row
                     self.blocks.fork(parent, child, share)
-                    child.num_computed_tokens = share
+                    child.num_computed_tokens = child.num_cached_tokens = share
                 self.waiting.appendleft(child)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.limits.max_num_batched_tokens
         scheduled: list[Scheduled] = []
         preempted: list[Sequence] = []
+        for seq in self.running:                  # what the last step computed becomes findable in the cache
+            self.blocks.commit(seq)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -113,16 +132,37 @@ class Scheduler:
         # Admit new work only in a step that did not have to preempt: memory is tight otherwise.
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs and not preempted:
             seq = self.waiting[0]
-            n = min(seq.num_uncomputed, budget)
-            if not self.blocks.can_allocate(seq, seq.num_computed_tokens + n):
+            hits = self._match(seq)
+            start = len(hits) * self.blocks.block_size if hits else seq.num_computed_tokens
+            n = min(len(seq.token_ids) - start, budget)
+            # Cached blocks nobody owns count as free until taken: taking them must leave enough for the rest.
+            need = self.blocks.blocks_for(start + n) - (len(hits) or len(seq.block_table))
+            if need > self.blocks.num_free - self.blocks.num_evictable(hits):
                 break
             self.waiting.popleft()
-            self.blocks.allocate(seq, seq.num_computed_tokens + n)
+            if not seq.block_table:               # not a forked child, which shares its parent's blocks
+                self._count_lookup(seq, start)
+            if hits:
+                self.blocks.take(seq, hits)
+            self.blocks.allocate(seq, start + n)
             seq.status = Status.RUNNING
             self.running.append(seq)
             scheduled.append(Scheduled(seq, n))
             budget -= n
         return SchedulerOutput(scheduled, preempted)
+
+    def _match(self, seq: Sequence) -> list[int]:
+        if seq.block_table or seq.params.prompt_logprobs is not None:   # a forked child already shares blocks
+            return []
+        return self.blocks.match(seq)
+
+    def _count_lookup(self, seq: Sequence, start: int) -> None:
+        """Hit-rate bookkeeping, in prompt tokens, once per request: at its first admission, if it looked."""
+        if seq.num_preemptions or not self.blocks.enable_caching or seq.params.prompt_logprobs is not None:
+            return
+        seq.num_cached_tokens = min(start, seq.num_prompt_tokens)
+        self.prefix_stats.queried_tokens += seq.num_prompt_tokens
+        self.prefix_stats.hit_tokens += seq.num_cached_tokens
 
     def _preempt(self, seq: Sequence) -> None:
         # A forked child keeps nothing: freeing drops its references to shared blocks (the parent keeps them).

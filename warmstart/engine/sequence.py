@@ -29,6 +29,11 @@ class Sequence:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_preemptions: int = 0
+    # prefix cache
+    cache_extra: bytes = b""                               # what else shapes K/V (LoRA id, image hashes): keys it
+    num_cached_tokens: int = 0                             # prompt tokens found in the cache at first admission
+    block_keys: list[bytes] = field(default_factory=list)  # chained keys of leading full blocks of token_ids
+    num_committed_blocks: int = 0                          # leading blocks of block_table registered or skipped
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -43,6 +43,7 @@ class Delta:
     num_output_tokens: int                           # so far, including these
     prompt_logprobs: tuple[TokenLogprobs, ...] | None = None   # on the first delta of a choice that asked
     full_text: str | None = None                     # on the last delta: the whole output text
+    num_cached_tokens: int = 0                       # prompt tokens the prefix cache supplied
 
 
 @dataclass(frozen=True)
@@ -96,10 +97,12 @@ class AsyncEngine:
         """Abort every request in flight; each listener gets a final Delta with finish_reason "abort"."""
         self._inbox.put(("abort_all", None))
 
-    def shutdown(self, timeout: float = 10.0) -> None:
-        """Abort everything in flight (its listeners get finish_reason "abort"), free blocks, stop the thread."""
+    def shutdown(self, timeout: float = 10.0) -> bool:
+        """Abort everything in flight (its listeners get finish_reason "abort"), free blocks, stop the thread.
+        True once the thread has stopped: only then may another thread read the engine or the KV cache."""
         self._inbox.put(_STOP)
         self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     # -- engine thread --------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -219,7 +222,7 @@ def _snapshot(o: RequestOutput, route: _Route) -> Delta:
     prompt_lp = tuple(seq.prompt_logprobs) if route.first and seq.params.prompt_logprobs is not None else None
     return Delta(route.index, tuple(o.new_token_ids), o.new_text, tuple(seq.logprobs[-n:]) if want_lp and n else (),
                  o.finished, seq.finish_reason, seq.num_prompt_tokens, len(seq.output_token_ids), prompt_lp,
-                 seq.output_text if o.finished else None)
+                 seq.output_text if o.finished else None, seq.num_cached_tokens)
 
 
 def _put_all(batch: list[tuple[asyncio.Queue, Delta]]) -> None:

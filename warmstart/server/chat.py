@@ -43,7 +43,8 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
             "finish_reason": r.finish_reason})
     completion_tokens = sum(len(r.token_ids) for r in results.values())
     return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": ctx.model_name,
-                         "choices": choices, "usage": usage(len(ids), completion_tokens)})
+                         "choices": choices, "usage": usage(len(ids), completion_tokens,
+                                                            results[0].num_cached_tokens)})
 
 
 def _encode(ctx: ServingContext, req: ChatCompletionRequest) -> list[int]:
@@ -65,11 +66,13 @@ async def _stream(ctx: ServingContext, gen: Generation, req: ChatCompletionReque
     for i in range(req.n):
         yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None}])
-    completion_tokens = 0
+    completion_tokens = cached_tokens = 0
     try:
         async with aclosing(gen.deltas()) as deltas:
             async for d in deltas:
                 completion_tokens += len(d.token_ids)
+                if d.index == 0:            # the n choices share one prompt, counted once (choice 0's)
+                    cached_tokens = max(cached_tokens, d.num_cached_tokens)
                 if d.text or (req.logprobs and d.token_ids):
                     lp = chat_logprobs(ctx.tokens, d.token_ids, d.logprobs) if req.logprobs else None
                     yield chunk([{"index": d.index, "delta": {"content": d.text}, "logprobs": lp,
@@ -80,5 +83,5 @@ async def _stream(ctx: ServingContext, gen: Generation, req: ChatCompletionReque
     except RuntimeError as e:
         yield sse(server_error(e).body())
     if include_usage:
-        yield chunk([], usage=usage(prompt_len, completion_tokens))
+        yield chunk([], usage=usage(prompt_len, completion_tokens, cached_tokens))
     yield sse("[DONE]")

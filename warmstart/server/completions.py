@@ -43,6 +43,10 @@ class _Plan:
     def prompt_tokens(self) -> int:
         return sum(len(p.ids) for p in self.prompts)
 
+    def is_first_choice(self, index: int) -> bool:
+        """Usage counts each prompt once: its cached tokens are those of its first choice."""
+        return index % self.req.n == 0
+
 
 async def create_completion(ctx: ServingContext, request: Request) -> Response:
     # Parsing and tokenizing a body of megabytes takes seconds: never on the event loop.
@@ -65,9 +69,10 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
         return StreamingResponse(_stream(ctx, gen, plan, rid, created, include_usage),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
     results = await gen.collect() if plan.subs else {}
-    choices, completion_tokens = [], 0
+    choices, completion_tokens, cached_tokens = [], 0, 0
     for index in range(len(prompts) * req.n):
         r = results.get(index) or ChoiceResult(index, finish_reason="length")
+        cached_tokens += r.num_cached_tokens if plan.is_first_choice(index) else 0
         if score_only:
             r = ChoiceResult(index, prompt_logprobs=r.prompt_logprobs, finish_reason="length")
         completion_tokens += len(r.token_ids)
@@ -80,7 +85,7 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
         choices.append({"index": index, "text": (p.text if req.echo else "") + r.text, "logprobs": lp,
                         "finish_reason": r.finish_reason})
     return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name,
-                         "choices": choices, "usage": usage(plan.prompt_tokens, completion_tokens)})
+                         "choices": choices, "usage": usage(plan.prompt_tokens, completion_tokens, cached_tokens)})
 
 
 def _tokenize(ctx: ServingContext, req: CompletionRequest) -> list[_Prompt]:
@@ -117,6 +122,7 @@ async def _stream(ctx: ServingContext, gen: Generation, plan: _Plan, rid: str, c
 
     legacy: dict[int, LegacyLogprobs] = {}
     completion_tokens = 0
+    cached: dict[int, int] = {}
     try:
         if not plan.subs:            # echo with max_tokens 0 and no logprobs: nothing to run
             for index in range(len(plan.prompts) * req.n):
@@ -127,12 +133,14 @@ async def _stream(ctx: ServingContext, gen: Generation, plan: _Plan, rid: str, c
                 async for d in deltas:
                     body = _stream_choice(ctx.tokens, plan, d, legacy)
                     completion_tokens += 0 if plan.score_only else len(d.token_ids)
+                    if plan.is_first_choice(d.index):
+                        cached[d.index] = max(cached.get(d.index, 0), d.num_cached_tokens)
                     if body is not None:
                         yield chunk([body])
     except RuntimeError as e:
         yield sse(server_error(e).body())
     if include_usage:
-        yield chunk([], usage=usage(plan.prompt_tokens, completion_tokens))
+        yield chunk([], usage=usage(plan.prompt_tokens, completion_tokens, sum(cached.values())))
     yield sse("[DONE]")
 
 

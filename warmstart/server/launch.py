@@ -4,8 +4,8 @@ Threads: the main thread runs uvicorn's event loop (HTTP, SSE, signals). A boot 
 answers from the first second; when it finishes it starts the engine thread (async_engine.py) and flips the app to
 ready on the loop. A boot UserError prints one paragraph and exits 2. SIGTERM/SIGINT: uvicorn stops accepting,
 in-flight requests get --shutdown-timeout seconds to finish, then the engine aborts the rest (their clients get
-finish_reason "abort" and the end of the stream), the engine thread frees every block and stops, and the process
-exits 0."""
+finish_reason "abort" and the end of the stream), the engine thread frees every block and stops, the most recently
+used cached prefix blocks are saved for the next boot (--prefix-cache-persist), and the process exits 0."""
 from __future__ import annotations
 
 import argparse
@@ -65,6 +65,7 @@ class _Launch:
         self.config, self.timer, self.state = config, timer, state
         self.server = None                 # the uvicorn server, set once it exists
         self.engine = None
+        self.booted = None
         self.exit_code = 0
         self.stopping = threading.Event()
         self._lock = threading.Lock()
@@ -96,6 +97,7 @@ class _Launch:
             if self.stopping.is_set():
                 return
             self.engine = AsyncEngine(booted.engine, loop, on_step=self.state.metrics.on_step)
+            self.booted = booted
         serving = ServingContext(booted, self.engine, self.state.model_name, self.state.metrics)
         loop.call_soon_threadsafe(self._ready, serving)
 
@@ -126,8 +128,12 @@ class _Launch:
             self.stopping.set()
             engine = self.engine
         if engine is not None:
-            engine.shutdown()
+            if not engine.shutdown():
+                log.warning("engine thread did not stop in time; the prefix cache is not saved")
+                return
             log.info("engine stopped; KV blocks in use: %d", engine.engine.blocks.num_used)
+            if self.booted.prefix is not None:
+                self.booted.prefix.save(self.booted.runner, self.booted.engine.blocks)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

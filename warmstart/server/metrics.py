@@ -1,7 +1,8 @@
 """Prometheus metrics on the server's own registry (never the global one, so two apps in a process never collide).
 
-Request counts and latencies, tokens, KV usage, and the boot: startup step durations, plan status and weight
-source. The engine thread updates the engine gauges after each step; everything else is updated on the loop."""
+Request counts and latencies, tokens, KV usage, the prefix cache (cached prompt tokens, hit rate, blocks), and the
+boot: startup step durations, plan status, weight source and prefix blocks restored. The engine thread updates the
+engine gauges after each step; everything else is updated on the loop."""
 from __future__ import annotations
 
 import time
@@ -47,6 +48,17 @@ class Metrics:
         self.weights_source = Gauge("warmstart_weights_source", "1 for where this boot's weights came from",
                                     ["source"], registry=r)
         self.kv_cache_bytes = Gauge("warmstart_kv_cache_bytes", "KV cache bytes allocated at boot", registry=r)
+        self.cached_prompt_tokens = Counter("warmstart_cached_prompt_tokens",
+                                            "Prompt tokens whose K/V came from the prefix cache", registry=r)
+        self.prefix_queried_tokens = Counter("warmstart_prefix_cache_queried_tokens",
+                                             "Prompt tokens looked up in the prefix cache", registry=r)
+        self.prefix_hit_rate = Gauge("warmstart_prefix_cache_hit_rate",
+                                     "Cached / looked-up prompt tokens since boot", registry=r)
+        self.prefix_blocks = Gauge("warmstart_prefix_cache_blocks", "KV blocks registered in the prefix cache",
+                                   registry=r)
+        self.prefix_restored_blocks = Gauge("warmstart_prefix_cache_restored_blocks",
+                                            "Prefix cache blocks restored from disk at boot", registry=r)
+        self._prefix_seen = (0, 0)                 # (queried, hit) tokens already added to the counters
 
     def record_boot(self, report: "StartupReport", num_blocks: int) -> None:
         self.startup_seconds.set(report.wall_seconds)
@@ -56,6 +68,7 @@ class Metrics:
         self.weights_source.labels(source=report.weights.source).set(1)
         self.kv_blocks_total.set(num_blocks)
         self.kv_cache_bytes.set(report.memory.kv_cache_bytes)
+        self.prefix_restored_blocks.set(report.extra.get("prefix_restore", {}).get("blocks", 0))
         self.ready.set(1)
 
     def on_step(self, engine: "Engine", outputs: list["RequestOutput"]) -> None:
@@ -67,6 +80,14 @@ class Metrics:
         self.waiting.set(len(engine.scheduler.waiting))
         if outputs:
             self.generation_tokens.inc(sum(len(o.new_token_ids) for o in outputs))
+        stats = engine.scheduler.prefix_stats
+        queried, hit = self._prefix_seen
+        if stats.queried_tokens != queried:
+            self.prefix_queried_tokens.inc(stats.queried_tokens - queried)
+            self.cached_prompt_tokens.inc(stats.hit_tokens - hit)
+            self._prefix_seen = (stats.queried_tokens, stats.hit_tokens)
+            self.prefix_hit_rate.set(stats.hit_rate)
+        self.prefix_blocks.set(engine.blocks.num_cached)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

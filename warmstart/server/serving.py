@@ -114,6 +114,7 @@ class ChoiceResult:
     prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
 
     def add(self, d: Delta) -> None:
         self.token_ids.extend(d.token_ids)
@@ -123,6 +124,7 @@ class ChoiceResult:
             self.prompt_logprobs = d.prompt_logprobs
         if d.num_prompt_tokens:
             self.num_prompt_tokens = d.num_prompt_tokens
+        self.num_cached_tokens = max(self.num_cached_tokens, d.num_cached_tokens)
         if d.finished:
             self.finish_reason = d.finish_reason
             if d.full_text is not None and d.finish_reason != "abort":
