@@ -1,4 +1,5 @@
-"""Builds warmstart's one compiled piece, the paged-attention CPU kernel (warmstart.kernels._paged).
+"""Builds warmstart's compiled CPU kernels: paged attention (warmstart.kernels._paged) and quantized linears
+(warmstart.kernels._qlinear).
 
 All package metadata lives in pyproject.toml; setuptools reads both. This file only adds the extension, and it never
 makes an install fail: without torch importable (pip's build isolation: torch is deliberately not a build requirement,
@@ -16,7 +17,8 @@ import sys
 from setuptools import setup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = ["warmstart/kernels/csrc/paged_attention.cpp"]
+SOURCES = {"_paged": ["warmstart/kernels/csrc/paged_attention.cpp"],
+           "_qlinear": ["warmstart/kernels/csrc/qlinear.cpp"]}
 ERROR_FILE = os.path.join(HERE, "warmstart", "kernels", "_build_error.txt")
 
 # Compile flags. On x86-64 the kernel targets the x86-64-v3 vector ISA (AVX2 + FMA + F16C): every x86 host this
@@ -53,13 +55,14 @@ else:
             try:
                 super().run()
             except Exception as e:  # noqa: BLE001
-                msg = f"building warmstart.kernels._paged failed: {type(e).__name__}: {e}"
+                msg = f"building warmstart.kernels failed: {type(e).__name__}: {e}"
                 print(f"warmstart: {msg}; the pure-torch paged attention will be used", file=sys.stderr)
                 _record_error(msg)
             else:
                 _record_error(None)
 
-    ext_modules = [CppExtension("warmstart.kernels._paged", SOURCES, extra_compile_args={"cxx": CXX_FLAGS})]
+    ext_modules = [CppExtension(f"warmstart.kernels.{name}", src, extra_compile_args={"cxx": CXX_FLAGS})
+                   for name, src in SOURCES.items()]
     cmdclass = {"build_ext": SafeBuildExtension.with_options(use_ninja=True)}
 
 setup(ext_modules=ext_modules, cmdclass=cmdclass)

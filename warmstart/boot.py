@@ -155,7 +155,8 @@ def _quantization_summary(tensors: dict[str, torch.Tensor], requested: str) -> d
     kinds: dict[str, int] = {}
     for name in tensors:
         if name.endswith(".qweight"):
-            kind = "int4" if name.replace(".qweight", ".scales_zeros") in tensors else "int8"
+            prefix = name.removesuffix(".qweight")
+            kind = "int4" if f"{prefix}.mins" in tensors or f"{prefix}.scales_zeros" in tensors else "int8"
             kinds[kind] = kinds.get(kind, 0) + 1
     return {"requested": requested, "linears": kinds, "weight_bytes": weights_nbytes(tensors)}
 

@@ -3,7 +3,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from warmstart.boot import Booted, boot
+from warmstart import threads
+
+threads.prepare_env()   # before boot imports torch: its OpenMP runtime reads the wait policy once, at load
+
+from warmstart.boot import Booted, boot  # noqa: E402
 from warmstart.config import EngineConfig
 from warmstart.prefix_store import PrefixOutcome
 from warmstart.runner.batch import TokenLogprobs

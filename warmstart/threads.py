@@ -74,12 +74,13 @@ def configure(threads: int | None = None) -> ThreadSettings:
     policy. Idempotent; a later call with another count only changes the count."""
     global _settings
     avail = available_cpus()
-    n = threads if threads is not None else avail
+    n = threads if threads is not None else _env_threads() or avail
     torch_loaded = "torch" in sys.modules
     if _settings is not None:
         source, policy = _settings.policy_source, _settings.wait_policy
     elif "OMP_WAIT_POLICY" in os.environ:
-        source, policy = "environment", os.environ["OMP_WAIT_POLICY"].upper()
+        source = "warmstart default" if _policy_set_by_us else "environment"
+        policy = os.environ["OMP_WAIT_POLICY"].upper()
     elif torch_loaded:
         source, policy = "set after torch loaded (no effect)", "ACTIVE (libgomp default)"
         log.warning("torch was imported before warmstart could choose the OpenMP wait policy; idle threads will "
@@ -95,6 +96,27 @@ def configure(threads: int | None = None) -> ThreadSettings:
             torch.set_num_threads(n)
     _settings = ThreadSettings(n, avail, policy, source)
     return _settings
+
+
+def _env_threads() -> int | None:
+    """A thread count the user put in OMP_NUM_THREADS (honoured like an explicit --threads)."""
+    try:
+        n = int(os.environ.get("OMP_NUM_THREADS", ""))
+    except ValueError:
+        return None
+    return n if n > 0 else None
+
+
+def prepare_env() -> None:
+    """Choose the passive wait policy if torch has not loaded yet and the user did not choose one: called when
+    warmstart's engine modules are imported, so an `LLM(...)` in a fresh process gets it too."""
+    if "torch" not in sys.modules and "OMP_WAIT_POLICY" not in os.environ:
+        os.environ["OMP_WAIT_POLICY"] = DEFAULT_WAIT_POLICY
+        global _policy_set_by_us
+        _policy_set_by_us = True
+
+
+_policy_set_by_us = False
 
 
 def current() -> ThreadSettings:

@@ -19,6 +19,8 @@ def _check_linear(canon: dict, n: int, k: int, bias: torch.Tensor | None = None)
     if bias is not None:
         tensors["l.bias"] = bias
     module = quant.make_linear(tensors, "l", k, n)
+    want = quant.NativeQuantLinear if quant.native_kernel() else (quant.Int4Linear, quant.Int8Linear)
+    assert isinstance(module, want)
     # The dequantized weight the kernel multiplies by equals the canonical weight up to bfloat16 scales.
     ref_w = quant.dequantize(canon)
     assert module.dequantized().shape == (n, k)
@@ -30,14 +32,24 @@ def _check_linear(canon: dict, n: int, k: int, bias: torch.Tensor | None = None)
         assert (y - ref).abs().max() <= REL_TOL * ref.abs().max(), (rows, (y - ref).abs().max())
 
 
+@pytest.fixture(params=["native", "torch"])
+def kernel(request, monkeypatch):
+    """Both kernels: warmstart's compiled one (skipped where it is not built) and torch's."""
+    from warmstart.kernels import has_qlinear
+    if request.param == "native" and not has_qlinear():
+        pytest.skip("the compiled quantized-linear kernel is not built here")
+    monkeypatch.setattr(quant, "native_kernel", lambda: request.param == "native")
+    return request.param
+
+
 @pytest.mark.parametrize("n,k", [(16, 32), (7, 64), (33, 96), (192, 576), (1, 32)])
-def test_int8_linear_matches_reference(n, k):
+def test_int8_linear_matches_reference(n, k, kernel):
     torch.manual_seed(n * k)
     _check_linear(quant.quantize_int8(torch.randn(n, k)), n, k, bias=torch.randn(n))
 
 
 @pytest.mark.parametrize("n,k", [(16, 32), (7, 64), (33, 96), (192, 576), (1, 32)])
-def test_int4_linear_matches_reference(n, k):
+def test_int4_linear_matches_reference(n, k, kernel):
     torch.manual_seed(n * k)
     _check_linear(quant.quantize_int4(torch.randn(n, k)), n, k)
 
@@ -91,7 +103,15 @@ def test_gguf_other_formats_requantize_to_int8(qtype):
     assert (err <= np.abs(ref).max(axis=1, keepdims=True) / 254 + 1e-6).all()   # half an int8 step per row
 
 
-def test_postprocess_modes_keep_names_and_shrink_bytes():
+def test_q8_0_group_scales_stay_exact_on_the_native_kernel(kernel):
+    q = torch.randint(-127, 128, (16, 64), dtype=torch.int8)
+    canon = {"qweight": q, "scales": torch.rand(16, 2) + 0.1}              # a scale per block of 32, as Q8_0
+    module = quant.make_linear({f"l.{k}": v for k, v in quant.prepare(canon).items()}, "l", 64, 16)
+    exact = torch.equal(module.dequantized(), quant.dequantize(canon))
+    assert exact == (kernel == "native")        # torch's int8 kernel takes one scale per row: re-quantized
+
+
+def test_postprocess_modes_keep_names_and_shrink_bytes(kernel):
     torch.manual_seed(0)
     t = {"model.embed_tokens.weight": torch.randn(64, 96), "model.layers.0.mlp.up_proj.weight": torch.randn(224, 96),
          "model.layers.0.mlp.down_proj.weight": torch.randn(96, 224), "model.norm.weight": torch.ones(96)}
@@ -101,8 +121,9 @@ def test_postprocess_modes_keep_names_and_shrink_bytes():
     # tied (no lm_head): the embedding is quantized once, as the LM head's int8 table
     assert "model.embed_tokens.qweight" in int8 and "model.embed_tokens.weight" not in int8
     int4 = postprocess(dict(t), torch.float32, "int4")
-    assert "model.layers.0.mlp.up_proj.scales_zeros" in int4
-    assert "model.layers.0.mlp.down_proj.scales_zeros" in int4
+    int4_part = "mins" if kernel == "native" else "scales_zeros"
+    assert f"model.layers.0.mlp.up_proj.{int4_part}" in int4
+    assert f"model.layers.0.mlp.down_proj.{int4_part}" in int4
     assert "model.embed_tokens.scales" in int4            # LM head / tied embedding stay int8
     nbytes = lambda d: sum(v.numel() * v.element_size() for v in d.values())
     assert nbytes(int4) < nbytes(int8) < nbytes(none)

@@ -19,7 +19,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["paged_attention", "paged_attention_torch", "has_native", "NATIVE_UNAVAILABLE_REASON"]
+__all__ = ["paged_attention", "paged_attention_torch", "has_native", "NATIVE_UNAVAILABLE_REASON", "qlinear",
+           "has_qlinear", "QLINEAR_UNAVAILABLE_REASON"]
 
 _REQUIRED_X86_FLAGS = ("avx2", "fma", "f16c")   # the kernel is compiled for x86-64-v3's vector ISA (see setup.py)
 
@@ -35,7 +36,7 @@ def _cpu_flags() -> set[str] | None:
     return None
 
 
-def _load_native():
+def _load_native(name: str = "_paged"):
     """Returns (module, None) or (None, reason). Checks the CPU before loading: the .so holds AVX2/FMA/F16C code."""
     if os.environ.get("WARMSTART_NO_NATIVE_KERNELS"):
         return None, "disabled by WARMSTART_NO_NATIVE_KERNELS"
@@ -47,7 +48,7 @@ def _load_native():
         if missing:
             return None, f"CPU lacks {', '.join(missing)} (the kernel is built for x86-64-v3)"
     try:
-        native = importlib.import_module(__name__ + "._paged")
+        native = importlib.import_module(f"{__name__}.{name}")
     except ImportError as e:
         reason = f"extension not built ({e})"
         err = os.path.join(os.path.dirname(__file__), "_build_error.txt")
@@ -112,3 +113,19 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         o = torch.einsum("nkgl,lkd->nkgd", probs, vv).reshape(len(rows), H, D)
         out.index_copy_(0, idx, o)
     return out.to(q.dtype)
+
+
+_qlinear, QLINEAR_UNAVAILABLE_REASON = _load_native("_qlinear")
+
+
+def has_qlinear() -> bool:
+    """True when the compiled quantized-linear kernel (csrc/qlinear.cpp) runs on this CPU."""
+    return _qlinear is not None
+
+
+def qlinear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+            mins: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (any float dtype) times a quantized weight, float32 [M, N] out. int4: qweight uint8 [N, K/2],
+    scales and mins float32 [N, K/32]; int8: qweight int8 [N, K], scales float32 [N, K/32]. Activations are
+    quantized to int8 per block of 32 inside the kernel."""
+    return _qlinear.qlinear(x, qweight, scales, mins)

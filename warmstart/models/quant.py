@@ -1,4 +1,9 @@
-"""Weight-only quantized linears on torch's own CPU kernels, and the formats they read.
+"""Weight-only quantized linears, and the formats they read.
+
+Two kernels. Where warmstart's compiled kernel loads (kernels/csrc/qlinear.cpp: x86-64-v3 and up), it runs on the
+canonical tensors as they are stored (no repacking at load, float32 scales kept exact) with activations quantized
+to int8 per block of 32, as llama.cpp does: on AVX2 hosts torch's int4 kernel is compute-bound at M=1 and no
+faster than float32 (benchmarks/decode.py). Elsewhere, torch's own kernels on bfloat16 activations, below.
 
 Two formats, both produced either from a GGUF file's blocks (weights/gguf.py) or by round-to-nearest at load
 (`--quantization int8|int4` on a float checkpoint):
@@ -84,8 +89,23 @@ def canonical_kind(names: set[str], prefix: str) -> str | None:
 
 # ---------------------------------------------------------------- kernel-ready form
 
+def native_kernel() -> bool:
+    """Whether prepare() targets warmstart's compiled kernel (True) or torch's (False) on this machine."""
+    from warmstart.kernels import has_qlinear
+    return has_qlinear()
+
+
 def prepare(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Canonical tensors -> the kernel's (scales in bfloat16; int4 repacked into the kernel's ISA layout)."""
+    """Canonical tensors -> the kernel's. Native: as stored, int8 scales expanded to one per block of 32; torch:
+    scales in bfloat16, int4 repacked into the kernel's ISA layout."""
+    k = t["qweight"].shape[1] * (2 if "mins" in t else 1)
+    if native_kernel() and k % GROUP_SIZE == 0:
+        if "mins" in t:
+            return {"qweight": t["qweight"], "scales": t["scales"].float(), "mins": t["mins"].float()}
+        scales = t["scales"].float()
+        if scales.dim() == 1:
+            scales = scales[:, None].expand(-1, k // GROUP_SIZE).contiguous()
+        return {"qweight": t["qweight"], "scales": scales}
     if "mins" not in t:
         if t["scales"].dim() == 2:
             t = quantize_int8(dequantize(t))
@@ -162,9 +182,40 @@ class QuantEmbedding(nn.Module):
         return self.table.embed(ids, self.dtype)
 
 
+class NativeQuantLinear(nn.Module):
+    """y = x @ w^T + b on warmstart's compiled kernel; w is int4 (scales and mins) or int8 (scales), per block of 32."""
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                 bias: torch.Tensor | None, in_features: int, out_features: int):
+        super().__init__()
+        self.qweight, self.scales, self.mins, self.bias = qweight, scales, mins, bias
+        self.in_features, self.out_features = in_features, out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from warmstart.kernels import qlinear
+        shape = x.shape
+        y = qlinear(x.reshape(-1, shape[-1]), self.qweight, self.scales, self.mins)
+        y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def dequantized(self) -> torch.Tensor:
+        parts = {"qweight": self.qweight, "scales": self.scales}
+        if self.mins is not None:
+            parts["mins"] = self.mins
+        return dequantize(parts)
+
+    def embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        group = self.in_features // self.scales.shape[1]
+        return (self.qweight[ids].to(dtype) * self.scales[ids].repeat_interleave(group, 1).to(dtype))
+
+
 def make_linear(tensors: dict[str, torch.Tensor], prefix: str, in_features: int, out_features: int) -> nn.Module:
     """The quantized module for kernel-ready tensors under `prefix`."""
     bias = tensors.get(f"{prefix}.bias")
+    scales = tensors.get(f"{prefix}.scales")
+    if f"{prefix}.mins" in tensors or (scales is not None and scales.dim() == 2):
+        return NativeQuantLinear(tensors[f"{prefix}.qweight"], scales, tensors.get(f"{prefix}.mins"), bias,
+                                 in_features, out_features)
     if f"{prefix}.scales_zeros" in tensors:
         return Int4Linear(tensors[f"{prefix}.qweight"], tensors[f"{prefix}.scales_zeros"], bias, in_features,
                           out_features)
@@ -186,10 +237,10 @@ def bind_quantized(model: nn.Module, tensors: dict[str, torch.Tensor], tied: dic
         old = model.get_submodule(prefix)
         parts = {n for n in tensors if n.rpartition(".")[0] == prefix and not n.endswith(".bias")}
         if isinstance(old, nn.Embedding):
-            if f"{prefix}.scales_zeros" in tensors:
+            if f"{prefix}.scales_zeros" in tensors or f"{prefix}.mins" in tensors:
                 raise ValueError(f"{prefix}: an int4 embedding table is not supported")
-            table = Int8Linear(tensors[f"{prefix}.qweight"], tensors[f"{prefix}.scales"], None)
-            _set_module(model, prefix, QuantEmbedding(table, old.weight.dtype))
+            table = make_linear(tensors, prefix, old.embedding_dim, old.num_embeddings)
+            _set_module(model, prefix, QuantEmbedding(table, _float_dtype(tensors)))
             for name, source in tied.items():
                 if source == f"{prefix}.weight":
                     _set_module(model, name.rpartition(".")[0], table)
@@ -199,6 +250,11 @@ def bind_quantized(model: nn.Module, tensors: dict[str, torch.Tensor], tied: dic
             _set_module(model, prefix, make_linear(tensors, prefix, old.in_features, old.out_features))
         used |= parts
     return used
+
+
+def _float_dtype(tensors: dict[str, torch.Tensor]) -> torch.dtype:
+    """The model's dtype, as its float tensors (norms) carry it: what an embedding lookup must return."""
+    return next((t.dtype for n, t in tensors.items() if n.endswith("norm.weight")), torch.float32)
 
 
 def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:

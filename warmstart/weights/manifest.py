@@ -74,9 +74,12 @@ class CacheKey:
 def post_processing(quantization: str) -> str:
     """POST_PROCESSING plus what quantization adds: its mode and, since the int4 kernel's packing is ISA-specific,
     the CPU capability the tensors were packed for."""
-    if quantization in ("auto", "none"):
+    if quantization == "none":
         return f"{POST_PROCESSING};quantization={quantization}"
-    return f"{POST_PROCESSING};quantization={quantization};isa={torch.backends.cpu.get_cpu_capability()}"
+    from warmstart.models.quant import native_kernel
+    kernel = "native" if native_kernel() else "torch"
+    return (f"{POST_PROCESSING};quantization={quantization};kernel={kernel};"
+            f"isa={torch.backends.cpu.get_cpu_capability()}")
 
 
 def build_cache_key(model_dir: Path, dtype: torch.dtype, role: str, device_id: str, *, rank: int = 0,

@@ -1,0 +1,156 @@
+// Weight-only quantized linears for CPUs without AMX: y[m, n] = sum_k x[m, k] * w[n, k], with w stored as
+//   int4: uint8 [N, K/2], element 2i in the low nibble of byte i, w = q * scale[n, g] + min[n, g], groups of 32
+//   int8: int8 [N, K], w = q * scale[n, g] (g = k / 32; a per-row scale is passed expanded to [N, K/32])
+// Activations are quantized to int8 per row and block of 32 (scale max|x|/127, as llama.cpp's Q8 does), so each
+// block's dot product is 32 unsigned-by-signed byte products summed by _mm256_maddubs_epi16: a few instructions
+// per 32 weights, where converting weights to float would take ~20. Accumulation in int32 per block, then fp32.
+// Why here and not torch: on AVX2 hosts aten::_weight_int4pack_mm_for_cpu runs at ~3.5 G weights/s (compute
+// bound at M=1, no faster than fp32 from DRAM) and aten::_weight_int8pack_mm needs bf16 activations to be fast;
+// see benchmarks/decode.py.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define WS_AVX2 1
+#else
+#define WS_AVX2 0
+#endif
+
+namespace {
+
+constexpr int64_t G = 32;
+
+// x [M, K] fp32 -> per (row, block) int8 codes, their scale, and (for the int4 min term) the sum of codes.
+// For int4 each block's codes are stored deinterleaved, [x0, x2, ..., x30, x1, x3, ..., x31], to match the
+// weights' nibble order (low nibbles = even elements, high = odd).
+void quantize_rows(const float* x, int64_t M, int64_t K, bool deinterleave, int8_t* qx, float* dx, float* sx) {
+  const int64_t nb = K / G;
+  at::parallel_for(0, M * nb, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* src = x + (i / nb) * K + (i % nb) * G;
+      float amax = 0.f;
+      for (int j = 0; j < G; ++j) amax = std::max(amax, std::fabs(src[j]));
+      const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+      int8_t* dst = qx + i * G;
+      int sum = 0;
+      for (int j = 0; j < G; ++j) {
+        const int q = static_cast<int>(std::nearbyint(src[j] * inv));
+        const int pos = deinterleave ? (j % 2) * 16 + j / 2 : j;
+        dst[pos] = static_cast<int8_t>(q);
+        sum += q;
+      }
+      dx[i] = d;
+      sx[i] = static_cast<float>(sum) * d;
+    }
+  });
+}
+
+#if WS_AVX2
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+float dot_int4(const uint8_t* w, const float* sc, const float* mn, const int8_t* qx, const float* dx,
+               const float* sx, int64_t nb) {
+#if WS_AVX2
+  const __m128i low = _mm_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc = _mm256_setzero_ps();
+  float mins = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + b * 16));
+    const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low), _mm_and_si128(bytes, low));
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + b * G));
+    const __m256i prod = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), ones);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(prod), _mm256_set1_ps(sc[b] * dx[b]), acc);
+    mins += mn[b] * sx[b];
+  }
+  return hsum(acc) + mins;
+#else
+  float total = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    int s = 0;
+    for (int j = 0; j < 16; ++j) {
+      s += (w[b * 16 + j] & 0x0F) * qx[b * G + j];
+      s += (w[b * 16 + j] >> 4) * qx[b * G + 16 + j];
+    }
+    total += sc[b] * dx[b] * static_cast<float>(s) + mn[b] * sx[b];
+  }
+  return total;
+#endif
+}
+
+float dot_int8(const int8_t* w, const float* sc, const int8_t* qx, const float* dx, int64_t nb) {
+#if WS_AVX2
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * G));
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + b * G));
+    // maddubs wants one unsigned operand: |w| times x with w's sign moved onto x.
+    const __m256i prod = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv),
+                                                                _mm256_sign_epi8(xv, wv)), ones);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(prod), _mm256_set1_ps(sc[b] * dx[b]), acc);
+  }
+  return hsum(acc);
+#else
+  float total = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    int s = 0;
+    for (int j = 0; j < G; ++j) s += w[b * G + j] * qx[b * G + j];
+    total += sc[b] * dx[b] * static_cast<float>(s);
+  }
+  return total;
+#endif
+}
+
+torch::Tensor qlinear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, c10::optional<torch::Tensor> mins) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "x must be a 2-D CPU tensor");
+  TORCH_CHECK(qweight.is_contiguous() && scales.is_contiguous() && scales.scalar_type() == torch::kFloat,
+              "qweight and float32 scales must be contiguous");
+  const bool int4 = mins.has_value();
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0), nb = K / G;
+  TORCH_CHECK(K % G == 0, "K must be a multiple of 32");
+  TORCH_CHECK(qweight.size(1) == (int4 ? K / 2 : K), "qweight does not match K");
+  TORCH_CHECK(scales.size(0) == N && scales.size(1) == nb, "scales must be [N, K/32]");
+  if (int4) TORCH_CHECK(mins->is_contiguous() && mins->sizes() == scales.sizes(), "mins must match scales");
+  auto xf = x.to(torch::kFloat).contiguous();
+  std::vector<int8_t> qx(M * K);
+  std::vector<float> dx(M * nb), sx(M * nb);
+  quantize_rows(xf.data_ptr<float>(), M, K, int4, qx.data(), dx.data(), sx.data());
+  auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat));
+  float* out = y.data_ptr<float>();
+  const float* sc = scales.data_ptr<float>();
+  const float* mn = int4 ? mins->data_ptr<float>() : nullptr;
+  const uint8_t* w4 = int4 ? qweight.data_ptr<uint8_t>() : nullptr;
+  const int8_t* w8 = int4 ? nullptr : qweight.data_ptr<int8_t>();
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      for (int64_t m = 0; m < M; ++m) {
+        const int8_t* xq = qx.data() + m * K;
+        const float* d = dx.data() + m * nb;
+        out[m * N + n] = int4 ? dot_int4(w4 + n * (K / 2), sc + n * nb, mn + n * nb, xq, d, sx.data() + m * nb, nb)
+                              : dot_int8(w8 + n * K, sc + n * nb, xq, d, nb);
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("qlinear", &qlinear, "int4/int8 weight x int8-quantized activation linear (fp32 output)",
+        py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
+  m.attr("simd") = WS_AVX2 ? "avx2+fma" : "scalar";
+}
