@@ -1,7 +1,9 @@
 """End-to-end parity of quantized serving on tiny checkpoints. The reference is the same model with every
 quantized linear replaced by a float32 nn.Linear holding the weight the kernel multiplies by (the same quantized
 weights, dequantized: the same math), run without a KV cache. Greedy ids must be equal except at near-ties, and
-logits agree within LOGIT_TOL (the kernels take bfloat16 activations: ~2^-8 relative per linear)."""
+logits agree within LOGIT_TOL: the compiled kernel quantizes activations to int8 per block of 32 (as llama.cpp's
+Q8 activations; a step of max|x|/127 per block), torch's kernels round them to bfloat16 (2^-8 relative); on these
+random tiny models (logits of magnitude ~1-3) both stay within 0.15 of the float reference."""
 import copy
 
 import gguf
@@ -19,14 +21,15 @@ from warmstart.models.spec import ModelSpec
 from warmstart.runner.attention import AttentionMeta, PagedAttentionBackend, SeqSlice
 from warmstart.startup.device import get_device
 
-LOGIT_TOL = 0.08
+LOGIT_TOL = 0.15
+QUANT_MODULES = (quant.Int8Linear, quant.Int4Linear, quant.NativeQuantLinear)
 PROMPTS = [[5, 17, 33, 100, 7], list(range(3, 40)), [42]]
 
 
 def dequantized_twin(model: nn.Module) -> nn.Module:
     twin = copy.deepcopy(model)
     for name, module in list(twin.named_modules()):
-        if isinstance(module, (quant.Int8Linear, quant.Int4Linear)):
+        if isinstance(module, QUANT_MODULES):
             lin = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
             lin.weight = nn.Parameter(module.dequantized(), requires_grad=False)
             if module.bias is not None:
@@ -61,7 +64,7 @@ def greedy_reference(model: nn.Module, prompt: list[int], steps: int) -> tuple[l
 def check_parity(llm: LLM, steps: int = 12) -> None:
     model = llm.booted.runner.model
     twin = dequantized_twin(model)
-    assert any(isinstance(m, (quant.Int8Linear, quant.Int4Linear)) for m in model.modules())
+    assert any(isinstance(m, QUANT_MODULES) for m in model.modules())
     for prompt in PROMPTS:
         ours, ref = full_logits(model, prompt), full_logits(twin, prompt)
         assert (ours - ref).abs().max() <= LOGIT_TOL, (ours - ref).abs().max()
@@ -115,7 +118,9 @@ def test_gguf_keeps_its_quantization_end_to_end(qtype, tmp_path, monkeypatch):
     reader = gguf.GGUFReader(str(src))
     file_bytes = sum(int(t.n_bytes) for t in reader.tensors)
     assert native.booted.ledger.weights_bytes <= 1.25 * file_bytes
-    assert native.booted.report.to_dict()["quantization"]["linears"]["int4"] == 2 * 7
+    # 2 layers of q/k/v/o/gate/up/down, all int4; the compiled kernel's form fuses q/k/v and gate/up at load.
+    fused = quant.native_kernel()
+    assert native.booted.report.to_dict()["quantization"]["linears"]["int4"] == 2 * (4 if fused else 7)
     dense = LLM(str(src), quantization="none", **common)
     assert dense.booted.ledger.weights_bytes > 3 * native.booted.ledger.weights_bytes
 

@@ -27,9 +27,13 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: PagedAttention) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.h, self.d)
-        k = self.k_proj(x).view(t, self.hkv, self.d)
-        v = self.v_proj(x).view(t, self.hkv, self.d)
+        if hasattr(self, "qkv_proj"):       # fused at load (weights/quantize.fuse): one call instead of three
+            q, k, v = self.qkv_proj(x).split((self.h * self.d, self.hkv * self.d, self.hkv * self.d), dim=-1)
+            q, k, v = q.view(t, self.h, self.d), k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)
+        else:
+            q = self.q_proj(x).view(t, self.h, self.d)
+            k = self.k_proj(x).view(t, self.hkv, self.d)
+            v = self.v_proj(x).view(t, self.hkv, self.d)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, *rope)

@@ -234,6 +234,9 @@ def bind_quantized(model: nn.Module, tensors: dict[str, torch.Tensor], tied: dic
     used: set[str] = set()
     prefixes = sorted({n[:-len(".qweight")] for n in tensors if n.endswith(".qweight")})
     for prefix in prefixes:
+        if prefix.endswith(("qkv_proj", "gate_up_proj")):
+            used |= _bind_fused(model, tensors, prefix)
+            continue
         old = model.get_submodule(prefix)
         parts = {n for n in tensors if n.rpartition(".")[0] == prefix and not n.endswith(".bias")}
         if isinstance(old, nn.Embedding):
@@ -250,6 +253,18 @@ def bind_quantized(model: nn.Module, tensors: dict[str, torch.Tensor], tied: dic
             _set_module(model, prefix, make_linear(tensors, prefix, old.in_features, old.out_features))
         used |= parts
     return used
+
+
+def _bind_fused(model: nn.Module, tensors: dict[str, torch.Tensor], prefix: str) -> set[str]:
+    """A fused linear (weights/quantize.fuse) replaces the modules it stacks; the parent's forward sees it."""
+    parent_name, _, attr = prefix.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    parts = ("q_proj", "k_proj", "v_proj") if attr == "qkv_proj" else ("gate_proj", "up_proj")
+    olds = [getattr(parent, p) for p in parts]
+    setattr(parent, attr, make_linear(tensors, prefix, olds[0].in_features, sum(o.out_features for o in olds)))
+    for p in parts:
+        delattr(parent, p)
+    return {n for n in tensors if n.rpartition(".")[0] == prefix}
 
 
 def _float_dtype(tensors: dict[str, torch.Tensor]) -> torch.dtype:

@@ -49,14 +49,36 @@ def postprocess(tensors: dict[str, torch.Tensor], dtype: torch.dtype, quantizati
         for p in prefixes:
             part = {k: tensors[f"{p}.{k}"] for k in ("qweight", "scales", "mins") if f"{p}.{k}" in tensors}
             out.update({f"{p}.{k}": v for k, v in quant.prepare(part).items()})
-        return out
+        return fuse(out)
     for name in [n for n in out if _quantizable(n, out)]:
         w = out.pop(name)
         prefix = name[:-len(".weight")]
         int4 = mode == "int4" and prefix not in ("lm_head", EMBED) and w.shape[1] % quant.GROUP_SIZE == 0
         part = quant.quantize_int4(w) if int4 else quant.quantize_int8(w)
         out.update({f"{prefix}.{k}": v for k, v in quant.prepare(part).items()})
-    return out
+    return fuse(out)
+
+
+FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def fuse(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Linears that read the same input become one: q/k/v -> qkv_proj, gate/up -> gate_up_proj, by stacking their
+    rows (output channels). Exact for the compiled kernel's per-row, per-block formats; it halves the quantized
+    linear calls per layer (5 instead of 7 plus 2 activation quantizations saved). Only for the native kernel's
+    tensors (torch's int4 layout interleaves rows)."""
+    layers = sorted({n.split(".self_attn.")[0] for n in tensors if ".self_attn.q_proj.scales" in n})
+    for layer in layers:
+        for fused, parts in FUSED.items():
+            names = [f"{layer}.{p}" for p in parts]
+            attrs = [sorted(k.rpartition(".")[2] for k in tensors if k.rpartition(".")[0] == n) for n in names]
+            if any(a != attrs[0] for a in attrs) or "qweight" not in attrs[0] or "scales_zeros" in attrs[0] \
+                    or tensors[f"{names[0]}.scales"].dim() != 2:
+                continue          # not all three quantized alike for the compiled kernel: leave them apart
+            for attr in attrs[0]:
+                tensors[f"{layer}.{fused}.{attr}"] = torch.cat([tensors.pop(f"{n}.{attr}") for n in names])
+    return tensors
 
 
 def _is_quant_part(name: str, prefixes: list[str]) -> bool:
