@@ -132,3 +132,15 @@ def test_plan_key_names_quantization(tmp_path):
     a = plan_key(EngineConfig(model=str(d)), d, spec, facts)
     b = plan_key(EngineConfig(model=str(d), quantization="int4"), d, spec, facts)
     assert b.diff(a.components) == ["quantization auto -> int4"]
+
+
+def test_torch_kernels_where_the_compiled_one_is_missing(tmp_path, monkeypatch):
+    """Hosts without the compiled kernel serve the same checkpoint on torch's int4/int8 kernels (bfloat16
+    activations, ISA-specific int4 packing, no fusion), within the same tolerance of the same reference."""
+    monkeypatch.setattr(quant, "native_kernel", lambda: False)
+    d = write_checkpoint(tmp_path / "m", "qwen2", layers=2)
+    llm = LLM(str(d), kv_cache_memory=16 * 2**20, max_model_len=256, dtype="float32", startup_plan="off",
+              quantization="int4")
+    assert any(isinstance(m, quant.Int4Linear) for m in llm.booted.runner.model.modules())
+    assert not any(isinstance(m, quant.NativeQuantLinear) for m in llm.booted.runner.model.modules())
+    check_parity(llm)

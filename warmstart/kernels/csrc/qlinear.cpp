@@ -59,58 +59,84 @@ inline float hsum(__m256 v) {
 }
 #endif
 
-float dot_int4(const uint8_t* w, const float* sc, const float* mn, const int8_t* qx, const float* dx,
-               const float* sx, int64_t nb) {
+// R rows of x against one weight row at a time: each weight block is unpacked once and used R times (decode
+// batches), with R accumulators in registers. out[r] = dot(w, x_r).
+template <int R>
+void dot_int4(const uint8_t* w, const float* sc, const float* mn, const int8_t* qx, const float* dx,
+              const float* sx, int64_t nb, int64_t K, float* out) {
 #if WS_AVX2
   const __m128i low = _mm_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc = _mm256_setzero_ps();
-  float mins = 0.f;
+  __m256 acc[R];
+  float mins[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), mins[r] = 0.f;
   for (int64_t b = 0; b < nb; ++b) {
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + b * 16));
     const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low), _mm_and_si128(bytes, low));
-    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + b * G));
-    const __m256i prod = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), ones);
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(prod), _mm256_set1_ps(sc[b] * dx[b]), acc);
-    mins += mn[b] * sx[b];
-  }
-  return hsum(acc) + mins;
-#else
-  float total = 0.f;
-  for (int64_t b = 0; b < nb; ++b) {
-    int s = 0;
-    for (int j = 0; j < 16; ++j) {
-      s += (w[b * 16 + j] & 0x0F) * qx[b * G + j];
-      s += (w[b * 16 + j] >> 4) * qx[b * G + 16 + j];
+    for (int r = 0; r < R; ++r) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + r * K + b * G));
+      const __m256i prod = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), ones);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(prod), _mm256_set1_ps(sc[b] * dx[r * nb + b]), acc[r]);
+      mins[r] += mn[b] * sx[r * nb + b];
     }
-    total += sc[b] * dx[b] * static_cast<float>(s) + mn[b] * sx[b];
   }
-  return total;
+  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) + mins[r];
+#else
+  for (int r = 0; r < R; ++r) {
+    float total = 0.f;
+    for (int64_t b = 0; b < nb; ++b) {
+      int s = 0;
+      for (int j = 0; j < 16; ++j) {
+        s += (w[b * 16 + j] & 0x0F) * qx[r * K + b * G + j];
+        s += (w[b * 16 + j] >> 4) * qx[r * K + b * G + 16 + j];
+      }
+      total += sc[b] * dx[r * nb + b] * static_cast<float>(s) + mn[b] * sx[r * nb + b];
+    }
+    out[r] = total;
+  }
 #endif
 }
 
-float dot_int8(const int8_t* w, const float* sc, const int8_t* qx, const float* dx, int64_t nb) {
+template <int R>
+void dot_int8(const int8_t* w, const float* sc, const int8_t* qx, const float* dx, int64_t nb, int64_t K,
+              float* out) {
 #if WS_AVX2
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc = _mm256_setzero_ps();
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * G));
-    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + b * G));
-    // maddubs wants one unsigned operand: |w| times x with w's sign moved onto x.
-    const __m256i prod = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv),
-                                                                _mm256_sign_epi8(xv, wv)), ones);
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(prod), _mm256_set1_ps(sc[b] * dx[b]), acc);
+    const __m256i aw = _mm256_sign_epi8(wv, wv);          // |w|: maddubs wants one unsigned operand
+    for (int r = 0; r < R; ++r) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + r * K + b * G));
+      const __m256i prod = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv)), ones);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(prod), _mm256_set1_ps(sc[b] * dx[r * nb + b]), acc[r]);
+    }
   }
-  return hsum(acc);
+  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
 #else
-  float total = 0.f;
-  for (int64_t b = 0; b < nb; ++b) {
-    int s = 0;
-    for (int j = 0; j < G; ++j) s += w[b * G + j] * qx[b * G + j];
-    total += sc[b] * dx[b] * static_cast<float>(s);
+  for (int r = 0; r < R; ++r) {
+    float total = 0.f;
+    for (int64_t b = 0; b < nb; ++b) {
+      int s = 0;
+      for (int j = 0; j < G; ++j) s += w[b * G + j] * qx[r * K + b * G + j];
+      total += sc[b] * dx[r * nb + b] * static_cast<float>(s);
+    }
+    out[r] = total;
   }
-  return total;
 #endif
+}
+
+template <int R>
+void rows_block(bool int4, const uint8_t* w4, const int8_t* w8, const float* sc, const float* mn, const int8_t* qx,
+                const float* dx, const float* sx, int64_t n, int64_t m0, int64_t N, int64_t K, int64_t nb,
+                float* out) {
+  float tmp[R];
+  if (int4)
+    dot_int4<R>(w4 + n * (K / 2), sc + n * nb, mn + n * nb, qx + m0 * K, dx + m0 * nb, sx + m0 * nb, nb, K, tmp);
+  else
+    dot_int8<R>(w8 + n * K, sc + n * nb, qx + m0 * K, dx + m0 * nb, nb, K, tmp);
+  for (int r = 0; r < R; ++r) out[(m0 + r) * N + n] = tmp[r];
 }
 
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, c10::optional<torch::Tensor> mins) {
@@ -135,12 +161,9 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scal
   const int8_t* w8 = int4 ? nullptr : qweight.data_ptr<int8_t>();
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
-      for (int64_t m = 0; m < M; ++m) {
-        const int8_t* xq = qx.data() + m * K;
-        const float* d = dx.data() + m * nb;
-        out[m * N + n] = int4 ? dot_int4(w4 + n * (K / 2), sc + n * nb, mn + n * nb, xq, d, sx.data() + m * nb, nb)
-                              : dot_int8(w8 + n * K, sc + n * nb, xq, d, nb);
-      }
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) rows_block<4>(int4, w4, w8, sc, mn, qx.data(), dx.data(), sx.data(), n, m, N, K, nb, out);
+      for (; m < M; ++m) rows_block<1>(int4, w4, w8, sc, mn, qx.data(), dx.data(), sx.data(), n, m, N, K, nb, out);
     }
   });
   return y;
