@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from warmstart.boot import Booted, boot
 from warmstart.config import EngineConfig
 from warmstart.runner.batch import TokenLogprobs
 from warmstart.sampling_params import SamplingParams
 from warmstart.startup.steps import StepTimer
+
+if TYPE_CHECKING:
+    from warmstart.runner.grammar import Grammar
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,17 @@ class LLM:
         self.booted = booted
         self.tokenizer = booted.tokenizer
         self._next_id = 0
+        self._grammars = None
+
+    def compile_grammar(self, kind: str, spec) -> "Grammar":
+        """A grammar for SamplingParams(grammar=...): kind "json" (a JSON schema), "regex", "choice" or "grammar"
+        (Lark)."""
+        if self._grammars is None:
+            from warmstart.runner.grammar import GrammarCompiler
+            engine = self.booted.engine
+            self._grammars = GrammarCompiler(self.tokenizer.to_json(), engine.vocab_size,
+                                             tuple(sorted(engine.eos_token_ids)))
+        return self._grammars.compile(kind, spec)
 
     @property
     def report(self):

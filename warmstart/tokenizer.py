@@ -41,6 +41,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    def to_json(self) -> str:
+        """The tokenizer.json text, for libraries that build their own view of the vocabulary (llguidance)."""
+        return self._tok.to_str()
+
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Protocol
 
 from warmstart.engine.block_manager import BlockManager
@@ -55,6 +55,9 @@ class Engine:
         """Parallel samples of one prompt (OpenAI's n): the first computes the prompt, the others then share its
         full prompt blocks instead of computing and storing the same K/V again."""
         self.check_prompt(prompt_token_ids)
+        # min_tokens bans the EOS ids too, which only the engine knows.
+        params = [replace(p, min_tokens_banned=tuple(sorted(self.eos_token_ids | set(p.stop_token_ids))))
+                  if p.min_tokens else p for p in params]
         dup = [r for r in request_ids if r in self._by_request] or \
             [r for i, r in enumerate(request_ids) if r in request_ids[:i]]
         if dup:
@@ -125,13 +128,16 @@ class Engine:
         if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             self._update_text(seq, drop_last=True)
             return "stop"
-        if self._update_text(seq) and p.stop:
+        if self._update_text(seq) and p.stop and len(seq.output_token_ids) >= p.min_tokens:
             text = seq.output_text
             longest = max(len(s) for s in p.stop)
             since = max(0, self._sent[seq.seq_id] - longest)
             hits = [i for i in (text.find(s, since) for s in p.stop) if i >= 0]
             if hits:
-                seq.output_text = text[:min(hits)]
+                first = min(hits)
+                if p.include_stop_str_in_output:
+                    first += max(len(s) for s in p.stop if text.startswith(s, first))
+                seq.output_text = text[:first]
                 return "stop"
         if len(seq.output_token_ids) >= p.max_tokens or len(seq.token_ids) >= self.limits.max_model_len:
             return "length"
@@ -141,7 +147,8 @@ class Engine:
         if self.decode is None:
             return False
         ids = seq.output_token_ids[:-1] if drop_last else seq.output_token_ids
-        seq.output_text = self.decode(ids)
+        seq.output_text = (self.decode(ids) if seq.params.skip_special_tokens
+                           else self.decode(ids, skip_special_tokens=False))
         return True
 
     def _text_delta(self, seq: Sequence) -> str:

@@ -8,6 +8,7 @@ from torch import nn
 
 from warmstart.runner.attention import AttentionMeta, PagedAttentionBackend, SeqSlice
 from warmstart.runner.batch import Batch, BatchItem, ItemResult
+from warmstart.runner.logits_processors import LogitsProcessors
 from warmstart.runner.sampler import sample, token_logprobs
 from warmstart.sampling_params import SamplingParams
 
@@ -19,6 +20,7 @@ class ModelRunner:
         self.kv: torch.Tensor | None = None
         self.block_size = 0
         self._generators: dict[int, torch.Generator] = {}
+        self.processors = LogitsProcessors()
         self.forward = model.forward      # replaced by the compiled forward in compile mode
 
     # -- memory ---------------------------------------------------------------------------------------------
@@ -46,6 +48,7 @@ class ModelRunner:
     def execute(self, batch: Batch) -> list[ItemResult]:
         for seq_id in batch.finished_seq_ids:
             self._generators.pop(seq_id, None)
+        self.processors.drop(batch.finished_seq_ids)
         if not batch.items:
             return []
         input_ids, positions, meta = self._prepare(batch.items)
@@ -101,7 +104,9 @@ class ModelRunner:
         sampled_idx = list(sample_row.values())
         params = [items[i].params for i in sample_row]
         gens = [self._generator(items[i]) for i in sample_row]
-        tokens = sample(logits[sampled_idx], params, gens) if sampled_idx else []
+        sampled_items = [items[i] for i in sample_row]
+        tokens = sample(self.processors.apply(logits[sampled_idx], sampled_items), params, gens) if sampled_idx else []
+        self.processors.accept(sampled_items, tokens)
         want_lp = any(it.params.logprobs is not None for it in items) or prompt_rows
         logprobs = logits.log_softmax(dim=-1) if want_lp else None
         results = []
