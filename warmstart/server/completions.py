@@ -17,7 +17,8 @@ from warmstart.server.async_engine import Delta, SubRequest
 from warmstart.server.protocol import CompletionRequest, parse
 from warmstart.server.render import LegacyLogprobs, TokenText, usage
 from warmstart.server.serving import (SSE_HEADERS, ChoiceResult, Generation, ServingContext, chunk_writer, new_id,
-                                      now, server_error, sse)
+                                      now, server_error, sse, truncate)
+from warmstart.server.structured import compile_grammar, requested_grammar
 
 ROUTE = "/v1/completions"
 
@@ -46,19 +47,24 @@ class _Plan:
 async def create_completion(ctx: ServingContext, request: Request) -> Response:
     req: CompletionRequest = parse(CompletionRequest, await request.body())
     ctx.check_model(req.model)
+    spec = requested_grammar(req)
+    grammar = await compile_grammar(ctx.grammars, spec, "structured_outputs") if spec is not None else None
     prompts = []
     for p in req.prompts():
-        ids = ctx.tokenizer.encode(p) if isinstance(p, str) else p
+        full = ctx.tokenizer.encode(p) if isinstance(p, str) else p
+        ids = truncate(full, req)
         ctx.check_prompt(ids, "prompt")
-        # token-id prompts echo (and offset logprobs) as their decoded text; only in-vocabulary ids get here
-        prompts.append(_Prompt(ids, p if isinstance(p, str) else ctx.tokenizer.decode(ids, skip_special_tokens=False)))
+        # token-id (or truncated) prompts echo, and offset logprobs, as their decoded text; only in-vocabulary ids
+        # get here
+        text = p if isinstance(p, str) and ids is full else ctx.tokenizer.decode(ids, skip_special_tokens=False)
+        prompts.append(_Prompt(ids, text))
     score_only = req.max_tokens == 0
     prompt_lp = req.logprobs if req.echo and req.logprobs is not None else None
     subs = []
     for k, p in enumerate(prompts):
         for i in range(req.n):
             params = ctx.params(req, len(p.ids), 1 if score_only else req.max_tokens, choice=i,
-                                logprobs=req.logprobs, prompt_logprobs=prompt_lp)
+                                logprobs=req.logprobs, prompt_logprobs=prompt_lp, grammar=grammar)
             subs.append(SubRequest(k * req.n + i, p.ids, params))
     plan = _Plan(req, prompts, subs if not score_only or prompt_lp is not None else [], score_only)
     gen = Generation(ctx, ROUTE, plan.subs, request.receive)

@@ -26,6 +26,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 def register_cli(subparsers) -> None:
     from warmstart.cli import add_engine_args
+    from warmstart.server.options import add_cli_args
     p = subparsers.add_parser("serve", help="boot and serve the OpenAI-compatible HTTP API",
                               description="Serve MODEL over an OpenAI-compatible HTTP API (/v1/chat/completions, "
                                           "/v1/completions, /v1/models) plus /health, /ready, /startup, /metrics.")
@@ -41,6 +42,7 @@ def register_cli(subparsers) -> None:
     g.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="on SIGTERM, how long in-flight requests may run before they are aborted (default 10)")
     g.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    add_cli_args(g)
     p.set_defaults(func=cmd_serve)
 
 
@@ -83,7 +85,8 @@ class _Launch:
             if self.stopping.is_set():
                 return
             self.engine = AsyncEngine(booted.engine, loop, on_step=self.state.metrics.on_step)
-        serving = ServingContext(booted, self.engine, self.state.model_name, self.state.metrics)
+        parsers = self.state.options.parsers(booted.tokenizer.chat_template, booted.model_dir)
+        serving = ServingContext(booted, self.engine, self.state.model_name, self.state.metrics, **parsers)
         loop.call_soon_threadsafe(self._ready, serving)
 
     def _ready(self, serving) -> None:
@@ -125,8 +128,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from warmstart.startup.steps import StepTimer
 
     timer = StepTimer.from_process_start()
+    from warmstart.server.options import ServerOptions
     config = config_from_args(args)
-    state = ServerState(args.served_model_name or served_model_name(args.model))
+    state = ServerState(args.served_model_name or served_model_name(args.model),
+                        options=ServerOptions.from_args(args))
     launch = _Launch(config, timer, state)
     app = create_app(state, on_startup=launch.on_startup, on_shutdown=launch.on_shutdown)
     # uvicorn's own timeout (cancel the request tasks) is only the backstop for a handler that ignores the abort.

@@ -13,14 +13,16 @@ if TYPE_CHECKING:
     from warmstart.engine.engine import Engine, RequestOutput
     from warmstart.startup.report import StartupReport
 
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/ready", "/startup", "/metrics")
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/health", "/ready", "/startup",
+          "/metrics", "/tokenize", "/detokenize", "/tokenizer_info", "/version")
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
 class Metrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "") -> None:
+        self.model_name = model_name
         self.registry = r = CollectorRegistry()
         self.http_requests = Counter("warmstart_http_requests", "HTTP requests by route and status code",
                                      ["route", "status"], registry=r)
