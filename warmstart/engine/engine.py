@@ -44,6 +44,7 @@ class Engine:
         self._by_request: dict[str, Sequence] = {}
         self._finished_ids: list[int] = []
         self._sent: dict[int, int] = {}          # seq_id -> characters of output_text already emitted
+        self.num_preemptions = 0                 # since boot, for metrics
 
     # -- requests -------------------------------------------------------------------------------------------
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
@@ -97,6 +98,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         self.scheduler.release_forks()
         out = self.scheduler.schedule()
+        self.num_preemptions += len(out.preempted)
         finished_ids, self._finished_ids = self._finished_ids, []
         if out.empty:
             if finished_ids:

@@ -159,7 +159,7 @@ class Generation:
         self.ctx, self.route, self.subs, self.receive = ctx, route, subs, receive
         self.timer = RequestTimer(ctx.metrics, route)
         self.outcome = "aborted"
-        ctx.metrics.prompt_tokens.inc(sum(len(s.prompt_token_ids) for s in subs))
+        ctx.metrics.add_prompt_tokens(sum(len(s.prompt_token_ids) for s in subs))
 
     def _open(self) -> RequestStream:
         stream = self.ctx.engine.submit(self.subs, prefix=self.route.rsplit("/", 1)[-1])
@@ -172,7 +172,9 @@ class Generation:
             async with self._open() as stream:
                 async for d in stream:
                     if d.token_ids:
-                        self.timer.token()
+                        self.timer.token(len(d.token_ids), d.index)
+                    if d.finished:
+                        self.timer.finished(d.finish_reason)
                     yield d
             self.outcome = "finished"
         except ClientGone:
