@@ -296,3 +296,46 @@ def test_litellm_completion_and_tools(server):
     assert json.loads(r.choices[0].message.tool_calls[0].function.arguments)["city"] in ("Paris", "Rome", "Oslo")
     chunks = list(litellm.completion(messages=user("Hello"), temperature=0, stream=True, **kw))
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
+
+
+# ------------------------------------------------------------------------------------------------ /v1/responses
+
+def test_responses_text_and_stream(client):
+    kw = dict(model=MODEL, instructions="Be brief.", input="Hello", max_output_tokens=8, temperature=0)
+    r = client.responses.create(**kw)
+    assert r.object == "response" and r.status in ("completed", "incomplete")
+    assert r.output[0].type == "message" and r.output_text == r.output[0].content[0].text
+    assert r.usage.input_tokens > 0 and 1 <= r.usage.output_tokens <= 8
+    chat = client.chat.completions.create(model=MODEL, max_tokens=8, temperature=0, messages=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}])
+    assert r.output_text == chat.choices[0].message.content                  # the same request underneath
+    events = list(client.responses.create(stream=True, **kw))
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] in ("response.completed", "response.incomplete")
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+    assert events[-1].response.output_text == r.output_text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_function_call_round_trip(server, client, stream):
+    tool = {"type": "function", "name": "get_weather", **{k: WEATHER["function"][k]
+                                                          for k in ("description", "parameters")}}
+    kw = dict(model=MODEL, tools=[tool], max_output_tokens=60, temperature=1.0)
+    first = kw | dict(input="Weather in Oslo?", tool_choice={"type": "function", "name": "get_weather"})
+    if stream:
+        events = list(client.responses.create(stream=True, **first))
+        out = events[-1].response.output
+        assert any(e.type == "response.function_call_arguments.done" for e in events)
+    else:
+        out = client.responses.create(**first).output
+    call = next(o for o in out if o.type == "function_call")
+    assert call.name == "get_weather" and json.loads(call.arguments)["city"] in ("Paris", "Rome", "Oslo")
+    follow = [{"role": "user", "content": "Weather in Oslo?"},
+              {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+              {"type": "function_call_output", "call_id": call.call_id, "output": "cold"}]
+    r = client.responses.create(input=follow, tool_choice="none", **kw)
+    assert r.output[0].type == "message"
+    r = httpx.post(f"{server.base_url}/v1/responses", json={"model": MODEL, "input": "hi",
+                                                           "previous_response_id": "resp_1"})
+    assert r.status_code == 400 and "previous_response_id" in r.json()["error"]["message"]

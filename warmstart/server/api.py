@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fastapi.middleware.cors import CORSMiddleware
 
-from warmstart.server import chat, completions, tokenize
+from warmstart.server import chat, completions, responses, tokenize
 from warmstart.server.auth import RequireKey
 from warmstart.server.options import ServerOptions
 from warmstart.server.metrics import ROUTES, Metrics
@@ -111,6 +111,10 @@ def create_app(state: ServerState, on_startup: Callable[[asyncio.AbstractEventLo
     @app.post("/v1/completions")
     async def create_completion(request: Request) -> Response:
         return await completions.create_completion(state.require(), request)
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        return await responses.create_response(state.require(), request)
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request) -> dict:
