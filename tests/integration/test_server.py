@@ -221,7 +221,9 @@ MALFORMED = [
     (CHAT, {"model": MODEL, "messages": MSG, "stream_options": {"include_usage": True}}, 400),
     (CHAT, {"model": MODEL, "messages": MSG, "seed": "x"}, 400),
     (CHAT, {"model": MODEL, "messages": MSG, "seed": 2 ** 70}, 400),
-    (CHAT, {"model": MODEL, "messages": MSG, "presence_penalty": 1.0}, 400),
+    (CHAT, {"model": MODEL, "messages": MSG, "presence_penalty": 3.0}, 400),                 # outside [-2, 2]
+    (CHAT, {"model": MODEL, "messages": MSG, "logit_bias": {"x": 1}}, 400),
+    (CHAT, {"model": MODEL, "messages": MSG, "best_of_n": 2}, 400),                          # unknown field
     (CHAT, {"model": MODEL, "messages": MSG, "tools": [{"type": "function"}]}, 400),
     (CHAT, {"model": MODEL, "messages": MSG, "top_k": -3}, 400),
     (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "word " * 3000}]}, 400),   # prompt too long
