@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from warmstart.server.chat import ChatPlan, _ChoiceStream, _final, _text_deltas, message
+from warmstart.server.chat import ChatPlan, ChoiceStream, final_split, text_deltas, message
 from warmstart.server.reasoning import default_parser as default_reasoning
 from warmstart.server.reasoning import split_qwen3
 from warmstart.server.tools import ToolPlan, default_parser, parse_hermes, parse_llama3_json
@@ -47,11 +47,11 @@ def test_qwen3_split():
 
 
 def _streamed(plan: ChatPlan, pieces: list[str]) -> tuple[dict, list[dict]]:
-    s, deltas = _ChoiceStream(), []
+    s, deltas = ChoiceStream(), []
     for k, piece in enumerate(pieces):
         s.text += piece
-        deltas += _text_deltas(plan, s, k == len(pieces) - 1)
-    rest, calls = _final(plan, s, "stop")
+        deltas += text_deltas(plan, s, k == len(pieces) - 1)
+    rest, calls = final_split(plan, s, "stop")
     if rest:
         deltas.append({"content": rest})
     reasoning = "".join(d.get("reasoning_content", "") for d in deltas)

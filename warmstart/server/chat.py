@@ -114,7 +114,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
 
 
 @dataclass
-class _ChoiceStream:
+class ChoiceStream:
     text: str = ""
     reasoning_sent: int = 0
     content_sent: int = 0
@@ -124,7 +124,7 @@ async def _stream(ctx: ServingContext, gen: Generation, plan: ChatPlan, rid: str
                   include_usage: bool) -> AsyncIterator[bytes]:
     req = plan.req
     chunk = chunk_writer("chat.completion.chunk", rid, created, ctx.model_name, include_usage)
-    state = {i: _ChoiceStream() for i in range(req.n)}
+    state = {i: ChoiceStream() for i in range(req.n)}
     for i in range(req.n):
         yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None}])
@@ -136,7 +136,7 @@ async def _stream(ctx: ServingContext, gen: Generation, plan: ChatPlan, rid: str
                 s = state[d.index]
                 s.text += d.text
                 lp = chat_logprobs(ctx.tokens, d.token_ids, d.logprobs) if req.logprobs and d.token_ids else None
-                for delta in _text_deltas(plan, s, d.finished and d.finish_reason != "abort"):
+                for delta in text_deltas(plan, s, d.finished and d.finish_reason != "abort"):
                     yield chunk([{"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": None}])
                     lp = None
                 if lp is not None:
@@ -144,7 +144,7 @@ async def _stream(ctx: ServingContext, gen: Generation, plan: ChatPlan, rid: str
                 if d.finished:
                     reason = d.finish_reason
                     if d.finish_reason != "abort":
-                        rest, calls = _final(plan, s, reason)
+                        rest, calls = final_split(plan, s, reason)
                         if rest:
                             yield chunk([{"index": d.index, "delta": {"content": rest}, "logprobs": None,
                                           "finish_reason": None}])
@@ -160,7 +160,7 @@ async def _stream(ctx: ServingContext, gen: Generation, plan: ChatPlan, rid: str
     yield sse("[DONE]")
 
 
-def _text_deltas(plan: ChatPlan, s: _ChoiceStream, finished: bool) -> list[dict]:
+def text_deltas(plan: ChatPlan, s: ChoiceStream, finished: bool) -> list[dict]:
     """New reasoning and content that can be shown; content that may still turn out to be a tool call waits."""
     reasoning, content = plan.split(s.text, finished)
     out = []
@@ -174,7 +174,7 @@ def _text_deltas(plan: ChatPlan, s: _ChoiceStream, finished: bool) -> list[dict]
     return out
 
 
-def _final(plan: ChatPlan, s: _ChoiceStream, finish_reason: str | None) -> tuple[str, list[dict]]:
+def final_split(plan: ChatPlan, s: ChoiceStream, finish_reason: str | None) -> tuple[str, list[dict]]:
     """At the end of a choice: the content still held back, and the tool calls."""
     _, content = plan.split(s.text, True)
     calls = []

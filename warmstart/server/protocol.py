@@ -47,7 +47,7 @@ class _Request(BaseModel):
 KNOWN_NO_OPS = frozenset({"user", "metadata", "store", "service_tier"})
 
 
-class _TopLevel(_Request):
+class TopLevelRequest(_Request):
     model_config = ConfigDict(strict=True, extra="allow")
 
     def check_unknown(self) -> None:
@@ -61,7 +61,7 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class SamplingRequest(_TopLevel):
+class SamplingRequest(TopLevelRequest):
     """Fields both generation routes share, plus the vLLM-style extras the engine supports (top_k, min_p, ...)."""
     model: str
     n: int = Field(1, ge=1, le=MAX_N)

@@ -14,8 +14,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import Field, ValidationError
 
-from warmstart.server.chat import ChatPlan, _ChoiceStream, _final, _text_deltas, message, prepare
-from warmstart.server.protocol import ChatCompletionRequest, _TopLevel, bad_request, parse, validation_error
+from warmstart.server.chat import ChatPlan, ChoiceStream, final_split, text_deltas, message, prepare
+from warmstart.server.protocol import ChatCompletionRequest, TopLevelRequest, bad_request, parse, validation_error
 from warmstart.server.serving import SSE_HEADERS, Generation, ServingContext, now, server_error
 
 ROUTE = "/v1/responses"
@@ -24,7 +24,7 @@ _NO_OPS = {"store", "metadata", "user", "service_tier", "include", "truncation",
            "safety_identifier"}
 
 
-class ResponsesRequest(_TopLevel):
+class ResponsesRequest(TopLevelRequest):
     model: str
     input: str | list[dict[str, Any]]
     instructions: str | None = None
@@ -166,7 +166,7 @@ async def _stream(ctx: ServingContext, gen: Generation, req: ResponsesRequest, p
     start = _response(req, rid, created, ctx, "in_progress", [], None)
     yield event("response.created", response=start)
     yield event("response.in_progress", response=start)
-    s, output, tokens, reason = _ChoiceStream(), [], 0, None
+    s, output, tokens, reason = ChoiceStream(), [], 0, None
     msg_id, text = _id("msg"), ""
 
     def open_message() -> list[bytes]:
@@ -186,7 +186,7 @@ async def _stream(ctx: ServingContext, gen: Generation, req: ResponsesRequest, p
             async for d in deltas:
                 tokens += len(d.token_ids)
                 s.text += d.text
-                for delta in _text_deltas(plan, s, d.finished and d.finish_reason != "abort"):
+                for delta in text_deltas(plan, s, d.finished and d.finish_reason != "abort"):
                     for b in text_delta(delta.get("content", "")) if delta.get("content") else ():
                         yield b
                 if d.finished:
@@ -194,7 +194,7 @@ async def _stream(ctx: ServingContext, gen: Generation, req: ResponsesRequest, p
     except RuntimeError as e:
         yield event("error", message=server_error(e).message, code="engine_error", param=None)
         return
-    rest, calls = _final(plan, s, reason) if reason != "abort" else ("", [])
+    rest, calls = final_split(plan, s, reason) if reason != "abort" else ("", [])
     if rest:
         for b in text_delta(rest):
             yield b

@@ -11,12 +11,12 @@ from pydantic import Field
 
 from warmstart import __version__
 from warmstart.errors import UserError
-from warmstart.server.protocol import ChatMessage, _TopLevel, bad_request, parse
+from warmstart.server.protocol import ChatMessage, TopLevelRequest, bad_request, parse
 from warmstart.server.serving import ServingContext
 from warmstart.server.tools import template_message
 
 
-class TokenizeRequest(_TopLevel):
+class TokenizeRequest(TopLevelRequest):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -33,7 +33,7 @@ class TokenizeRequest(_TopLevel):
             raise bad_request("Send exactly one of prompt and messages.", "prompt")
 
 
-class DetokenizeRequest(_TopLevel):
+class DetokenizeRequest(TopLevelRequest):
     model: str | None = None
     tokens: list[int] = Field(min_length=0)
 
