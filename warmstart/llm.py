@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from warmstart import threads
 
@@ -13,6 +14,9 @@ from warmstart.prefix_store import PrefixOutcome
 from warmstart.runner.batch import TokenLogprobs
 from warmstart.sampling_params import SamplingParams
 from warmstart.startup.steps import StepTimer
+
+if TYPE_CHECKING:
+    from warmstart.runner.grammar import Grammar
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,7 @@ class LLM:
         self.tokenizer = booted.tokenizer
         self._next_id = 0
         self._closed = False
+        self._grammars = None
 
     def close(self) -> PrefixOutcome | None:
         """Save the most recently used cached prefix blocks (up to prefix_cache_persist bytes) for the next boot
@@ -58,6 +63,16 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def compile_grammar(self, kind: str, spec) -> "Grammar":
+        """A grammar for SamplingParams(grammar=...): kind "json" (a JSON schema), "regex", "choice" or "grammar"
+        (Lark)."""
+        if self._grammars is None:
+            from warmstart.runner.grammar import GrammarCompiler
+            engine = self.booted.engine
+            self._grammars = GrammarCompiler(self.tokenizer.to_json(), engine.vocab_size,
+                                             tuple(sorted(engine.eos_token_ids)))
+        return self._grammars.compile(kind, spec)
 
     @property
     def report(self):

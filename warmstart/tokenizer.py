@@ -53,6 +53,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    def to_json(self) -> str:
+        """The tokenizer.json text, for libraries that build their own view of the vocabulary (llguidance)."""
+        return self._tok.to_str()
+
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
@@ -66,17 +70,31 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                            tools: list[dict] | None = None, continue_final_message: bool = False,
+                            **template_kwargs) -> str:
+        """As transformers renders it. template_kwargs reach the template as variables (e.g. Qwen3's
+        enable_thinking); continue_final_message leaves the last (assistant) message open for the model to go on."""
         if not self.chat_template:
             raise UserError("This model has no chat template, so chat requests cannot be formatted. Use "
                             "completions with a plain prompt, or a model whose tokenizer_config.json has one.")
-        return _compile(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        variables = {**template_kwargs, "messages": messages, "tools": tools or None,
+                     "add_generation_prompt": add_generation_prompt and not continue_final_message,
+                     "bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
+        text = _compile(self.chat_template).render(**variables)
+        if continue_final_message:
+            # transformers' rule: cut right after the final message's content (stripped), dropping its end marker.
+            final = (messages[-1].get("content") or "").strip()
+            at = text.rfind(final) if final else -1
+            if at < 0:
+                raise UserError("continue_final_message: the final message's content is not in the rendered "
+                                "template, so it cannot be continued.")
+            text = text[:at + len(final)]
+        return text
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], **kwargs) -> list[int]:
         # Templates write the BOS themselves; adding special tokens again would double it (as transformers avoids).
-        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages, **kwargs), add_special_tokens=False)
 
 
 def _token_text(tok) -> str | None:

@@ -221,7 +221,9 @@ MALFORMED = [
     (CHAT, {"model": MODEL, "messages": MSG, "stream_options": {"include_usage": True}}, 400),
     (CHAT, {"model": MODEL, "messages": MSG, "seed": "x"}, 400),
     (CHAT, {"model": MODEL, "messages": MSG, "seed": 2 ** 70}, 400),
-    (CHAT, {"model": MODEL, "messages": MSG, "presence_penalty": 1.0}, 400),
+    (CHAT, {"model": MODEL, "messages": MSG, "presence_penalty": 3.0}, 400),                 # outside [-2, 2]
+    (CHAT, {"model": MODEL, "messages": MSG, "logit_bias": {"x": 1}}, 400),
+    (CHAT, {"model": MODEL, "messages": MSG, "best_of_n": 2}, 400),                          # unknown field
     (CHAT, {"model": MODEL, "messages": MSG, "tools": [{"type": "function"}]}, 400),
     (CHAT, {"model": MODEL, "messages": MSG, "top_k": -3}, 400),
     (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "word " * 3000}]}, 400),   # prompt too long
@@ -354,8 +356,8 @@ def test_metrics_cover_requests_tokens_kv_and_boot(server, client):
     for needle in ('warmstart_http_requests_total{route="/v1/chat/completions",status="200"}',
                    'warmstart_request_latency_seconds_count{route="/v1/chat/completions"}',
                    "warmstart_prompt_tokens_total", "warmstart_generation_tokens_total",
-                   "warmstart_kv_blocks_used", "warmstart_kv_blocks_total", "warmstart_kv_usage_ratio",
+                   "warmstart_kv_blocks_used", "warmstart_kv_blocks_allocated", "warmstart_kv_usage_ratio",
                    'warmstart_startup_step_seconds{step="weights"}', 'warmstart_startup_plan{status="bypassed"}',
                    'warmstart_weights_source{source="disk"}', "warmstart_startup_seconds", "warmstart_ready 1.0"):
         assert needle in text, needle
-    assert server.metric("warmstart_kv_blocks_total") > 0
+    assert server.metric("warmstart_kv_blocks_allocated") > 0

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Protocol
 
 from warmstart.engine.block_manager import BlockManager
@@ -47,6 +47,7 @@ class Engine:
         self._by_request: dict[str, Sequence] = {}
         self._finished_ids: list[int] = []
         self._sent: dict[int, int] = {}          # seq_id -> characters of output_text already emitted
+        self.num_preemptions = 0                 # since boot, for metrics
 
     # -- requests -------------------------------------------------------------------------------------------
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
@@ -58,6 +59,9 @@ class Engine:
         """Parallel samples of one prompt (OpenAI's n): the first computes the prompt, the others then share its
         full prompt blocks instead of computing and storing the same K/V again."""
         self.check_prompt(prompt_token_ids)
+        # min_tokens bans the EOS ids too, which only the engine knows.
+        params = [replace(p, min_tokens_banned=tuple(sorted(self.eos_token_ids | set(p.stop_token_ids))))
+                  if p.min_tokens else p for p in params]
         dup = [r for r in request_ids if r in self._by_request] or \
             [r for i, r in enumerate(request_ids) if r in request_ids[:i]]
         if dup:
@@ -97,6 +101,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         self.scheduler.release_forks()
         out = self.scheduler.schedule()
+        self.num_preemptions += len(out.preempted)
         finished_ids, self._finished_ids = self._finished_ids, []
         if out.empty:
             if finished_ids:
@@ -150,13 +155,16 @@ class Engine:
         if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             self._update_text(seq, drop_last=True)
             return "stop"
-        if self._update_text(seq) and p.stop:
+        if self._update_text(seq) and p.stop and len(seq.output_token_ids) >= p.min_tokens:
             text = seq.output_text
             longest = max(len(s) for s in p.stop)
             since = max(0, self._sent[seq.seq_id] - longest)
             hits = [i for i in (text.find(s, since) for s in p.stop) if i >= 0]
             if hits:
-                seq.output_text = text[:min(hits)]
+                first = min(hits)
+                if p.include_stop_str_in_output:
+                    first += max(len(s) for s in p.stop if text.startswith(s, first))
+                seq.output_text = text[:first]
                 return "stop"
         if len(seq.output_token_ids) >= p.max_tokens or len(seq.token_ids) >= self.limits.max_model_len:
             return "length"
@@ -166,7 +174,8 @@ class Engine:
         if self.decode is None:
             return False
         ids = seq.output_token_ids[:-1] if drop_last else seq.output_token_ids
-        seq.output_text = self.decode(ids)
+        seq.output_text = (self.decode(ids) if seq.params.skip_special_tokens
+                           else self.decode(ids, skip_special_tokens=False))
         return True
 
     def _text_delta(self, seq: Sequence) -> str:

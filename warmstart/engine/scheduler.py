@@ -61,7 +61,8 @@ class SchedulerOutput:
                 block_table=list(seq.block_table), sample=start + s.num_tokens == len(seq.token_ids),
                 params=seq.params, prompt_len=seq.num_prompt_tokens,
                 next_prompt_token=(seq.token_ids[start + s.num_tokens]
-                                   if start + s.num_tokens < seq.num_prompt_tokens else None)))
+                                   if start + s.num_tokens < seq.num_prompt_tokens else None),
+                history=seq.token_ids if seq.params.processes_logits else None))
         return Batch(items, finished_seq_ids)
 
 

@@ -17,6 +17,9 @@ class BatchItem:
     params: SamplingParams
     prompt_len: int                # for prompt logprobs: positions below prompt_len are prompt tokens
     next_prompt_token: int | None = None   # the prompt token after this slice, for prompt logprobs of its last row
+    # The sequence's tokens so far (prompt, then output), for logits processors (penalties, min_tokens); only set
+    # when params.processes_logits. It is the sequence's own list, read during execute, not a copy.
+    history: list[int] | None = None
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ from torch import nn
 
 from warmstart.runner.attention import PAGED_MAX_Q, AttentionMeta, PagedAttentionBackend, PagedRows, SeqSlice
 from warmstart.runner.batch import Batch, BatchItem, ItemResult
-from warmstart.runner.sampler import sample, sample_isolated, token_logprobs
+from warmstart.runner.logits_processors import LogitsProcessors
+from warmstart.runner.sampler import sample_isolated, token_logprobs
 from warmstart.sampling_params import SamplingParams
 
 
@@ -23,6 +24,7 @@ class ModelRunner:
         # ran the profiling forward (a plan miss) or skipped it (a hit) must not change their tokens. Seeded from
         # the boot's --seed (boot.py calls torch.manual_seed(config.seed) before building the runner).
         self._unseeded = torch.Generator(device=device).manual_seed(torch.initial_seed())
+        self.processors = LogitsProcessors()
         self.forward = model.forward      # replaced by the compiled forward in compile mode
         self.attention_reference = False  # True: every sequence through gather + SDPA (tests' reference path)
 
@@ -51,6 +53,7 @@ class ModelRunner:
     def execute(self, batch: Batch) -> list[ItemResult]:
         for seq_id in batch.finished_seq_ids:
             self._generators.pop(seq_id, None)
+        self.processors.drop(batch.finished_seq_ids)
         if not batch.items:
             return []
         input_ids, positions, meta = self._prepare(batch.items)
@@ -130,7 +133,13 @@ class ModelRunner:
         sampled_idx = list(sample_row.values())
         params = [items[i].params for i in sample_row]
         gens = [lambda it=items[i]: self._generator(it) for i in sample_row]
-        tokens = sample_isolated(logits[sampled_idx], params, gens) if sampled_idx else []
+        sampled_items = [items[i] for i in sample_row]
+        tokens: list = []
+        if sampled_idx:
+            processed, failed = self._process(logits[sampled_idx], sampled_items)
+            tokens = [failed.get(j, t) for j, t in enumerate(sample_isolated(processed, params, gens))]
+            ok = [(it, t) for it, t in zip(sampled_items, tokens) if not isinstance(t, Exception)]
+            self.processors.accept([it for it, _ in ok], [t for _, t in ok])
         want_lp = any(it.params.logprobs is not None for it in items) or prompt_rows
         logprobs = logits.log_softmax(dim=-1) if want_lp else None
         results = []
@@ -159,6 +168,21 @@ class ModelRunner:
             nexts = it.token_ids[1:] + ([it.next_prompt_token] if it.next_prompt_token is not None else [])
             plp = [token_logprobs(logprobs[first + j], nexts[j], it.params.prompt_logprobs) for j in range(count)]
         return ItemResult(token, lp, plp)
+
+    def _process(self, logits: torch.Tensor, items: list[BatchItem]) -> tuple[torch.Tensor, dict[int, Exception]]:
+        """Logits processors (penalties, bias, grammar masks) for the sampling rows; a processor that raises fails
+        only its own row (the batch is processed at once, and row by row only if that raises)."""
+        try:
+            return self.processors.apply(logits, items), {}
+        except Exception:
+            pass
+        out, failed = logits.clone(), {}
+        for j, it in enumerate(items):
+            try:
+                out[j:j + 1] = self.processors.apply(logits[j:j + 1], [it])
+            except Exception as e:
+                failed[j] = e
+        return out, failed
 
     def _generator(self, item: BatchItem) -> torch.Generator | None:
         if item.params.greedy:

@@ -18,6 +18,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from warmstart.server import chat, completions
 from warmstart.server.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
+from fastapi.middleware.cors import CORSMiddleware
+
+from warmstart.server import chat, completions, responses, tokenize
+from warmstart.server.auth import RequireKey
+from warmstart.server.options import ServerOptions
 from warmstart.server.metrics import ROUTES, Metrics
 from warmstart.server.protocol import APIError, not_ready
 from warmstart.server.serving import ServingContext
@@ -28,9 +33,10 @@ log = logging.getLogger("warmstart.server")
 class ServerState:
     """What the routes read: the served name and metrics always; the serving context once boot has finished."""
 
-    def __init__(self, model_name: str, metrics: Metrics | None = None):
+    def __init__(self, model_name: str, metrics: Metrics | None = None, options: ServerOptions | None = None):
         self.model_name = model_name
-        self.metrics = metrics or Metrics()
+        self.options = options or ServerOptions()
+        self.metrics = metrics or Metrics(model_name)
         self.serving: ServingContext | None = None
         self.created = 0
 
@@ -66,6 +72,13 @@ def create_app(state: ServerState, on_startup: Callable[[asyncio.AbstractEventLo
 
     app = FastAPI(title="warmstart", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.server = state
+    # Starlette runs the last-added middleware first: count every request, then CORS, then the key check.
+    if state.options.api_key:
+        app.add_middleware(RequireKey, key=state.options.api_key, open_routes=state.options.open_routes)
+    if state.options.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(state.options.allowed_origins),
+                           allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["*"])
+    # Added last, so it runs first: an oversized body is refused before anything reads it.
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     app.add_middleware(_CountRequests, metrics=state.metrics)
     _add_error_handlers(app)
@@ -104,6 +117,26 @@ def create_app(state: ServerState, on_startup: Callable[[asyncio.AbstractEventLo
     @app.post("/v1/completions")
     async def create_completion(request: Request) -> Response:
         return await completions.create_completion(state.require(), request)
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        return await responses.create_response(state.require(), request)
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> dict:
+        return tokenize.tokenize(state.require(), await request.body())
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> dict:
+        return tokenize.detokenize(state.require(), await request.body())
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info_route() -> dict:
+        return tokenize.tokenizer_info(state.require())
+
+    @app.get("/version")
+    async def version_route() -> dict:
+        return tokenize.version()
 
     return app
 

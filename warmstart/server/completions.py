@@ -18,7 +18,8 @@ from warmstart.server.async_engine import Delta, SubRequest
 from warmstart.server.protocol import CompletionRequest, parse
 from warmstart.server.render import LegacyLogprobs, TokenText, usage
 from warmstart.server.serving import (SSE_HEADERS, ChoiceResult, Generation, ServingContext, chunk_writer, new_id,
-                                      now, server_error, sse)
+                                      now, server_error, sse, truncate)
+from warmstart.server.structured import compile_grammar, requested_grammar
 
 ROUTE = "/v1/completions"
 
@@ -52,6 +53,8 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
     # Parsing and tokenizing a body of megabytes takes seconds: never on the event loop.
     req: CompletionRequest = await run_in_threadpool(parse, CompletionRequest, await request.body())
     ctx.check_model(req.model)
+    spec = requested_grammar(req)
+    grammar = await compile_grammar(ctx.grammars, spec, "structured_outputs") if spec is not None else None
     prompts = await run_in_threadpool(_tokenize, ctx, req)
     score_only = req.max_tokens == 0
     prompt_lp = req.logprobs if req.echo and req.logprobs is not None else None
@@ -59,7 +62,7 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
     for k, p in enumerate(prompts):
         for i in range(req.n):
             params = ctx.params(req, len(p.ids), 1 if score_only else req.max_tokens, choice=i,
-                                logprobs=req.logprobs, prompt_logprobs=prompt_lp)
+                                logprobs=req.logprobs, prompt_logprobs=prompt_lp, grammar=grammar)
             subs.append(SubRequest(k * req.n + i, p.ids, params))
     plan = _Plan(req, prompts, subs if not score_only or prompt_lp is not None else [], score_only)
     gen = Generation(ctx, ROUTE, plan.subs, request.receive)
@@ -89,12 +92,16 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
 
 
 def _tokenize(ctx: ServingContext, req: CompletionRequest) -> list[_Prompt]:
+    """Tokenize (and truncate) every prompt; runs in a worker thread, never on the event loop."""
     prompts = []
     for p in req.prompts():
-        ids = ctx.tokenizer.encode(p) if isinstance(p, str) else p
+        full = ctx.tokenizer.encode(p) if isinstance(p, str) else p
+        ids = truncate(full, req)
         ctx.check_prompt(ids, "prompt")
-        # token-id prompts echo (and offset logprobs) as their decoded text; only in-vocabulary ids get here
-        prompts.append(_Prompt(ids, p if isinstance(p, str) else ctx.tokenizer.decode(ids, skip_special_tokens=False)))
+        # token-id (or truncated) prompts echo, and offset logprobs, as their decoded text; only in-vocabulary ids
+        # get here
+        text = p if isinstance(p, str) and ids is full else ctx.tokenizer.decode(ids, skip_special_tokens=False)
+        prompts.append(_Prompt(ids, text))
     return prompts
 
 

@@ -30,6 +30,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 def register_cli(subparsers) -> None:
     from warmstart.cli import add_engine_args, byte_size
     from warmstart.server.limits import DEFAULT_MAX_REQUEST_BYTES
+    from warmstart.server.options import add_cli_args
     p = subparsers.add_parser("serve", help="boot and serve the OpenAI-compatible HTTP API",
                               description="Serve MODEL over an OpenAI-compatible HTTP API (/v1/chat/completions, "
                                           "/v1/completions, /v1/models) plus /health, /ready, /startup, /metrics.")
@@ -48,6 +49,7 @@ def register_cli(subparsers) -> None:
     g.add_argument("--max-request-bytes", type=byte_size, default=DEFAULT_MAX_REQUEST_BYTES, metavar="BYTES",
                    help="larger request bodies are refused with 413 before they are parsed "
                         f"(default {DEFAULT_MAX_REQUEST_BYTES // 2**20}MiB)")
+    add_cli_args(g)
     p.set_defaults(func=cmd_serve)
 
 
@@ -98,7 +100,8 @@ class _Launch:
                 return
             self.engine = AsyncEngine(booted.engine, loop, on_step=self.state.metrics.on_step)
             self.booted = booted
-        serving = ServingContext(booted, self.engine, self.state.model_name, self.state.metrics)
+        parsers = self.state.options.parsers(booted.tokenizer.chat_template, booted.model_dir)
+        serving = ServingContext(booted, self.engine, self.state.model_name, self.state.metrics, **parsers)
         loop.call_soon_threadsafe(self._ready, serving)
 
     def _ready(self, serving) -> None:
@@ -146,8 +149,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # Until uvicorn installs its own handlers, SIGTERM means "stop now, cleanly": exit 0, as it does later.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     timer = StepTimer.from_process_start()
+    from warmstart.server.options import ServerOptions
     config = config_from_args(args)
-    state = ServerState(args.served_model_name or served_model_name(args.model))
+    state = ServerState(args.served_model_name or served_model_name(args.model),
+                        options=ServerOptions.from_args(args))
     launch = _Launch(config, timer, state)
     app = create_app(state, on_startup=launch.on_startup, on_shutdown=launch.on_shutdown,
                      max_request_bytes=args.max_request_bytes)

@@ -46,11 +46,26 @@ class _Request(BaseModel):
         return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
+# Fields clients send that change nothing here, by their definition: accepted silently. Any other field the schema
+# does not name is a 400 that names it, so a request never silently loses a behaviour it asked for.
+KNOWN_NO_OPS = frozenset({"user", "metadata", "store", "service_tier"})
+
+
+class TopLevelRequest(_Request):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    def check_unknown(self) -> None:
+        unknown = sorted(set(self.model_extra or ()) - KNOWN_NO_OPS)
+        if unknown:
+            raise bad_request(f"Unsupported field{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}. This "
+                              "server does not implement them; leave them out.", unknown[0], "unsupported_parameter")
+
+
 class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class SamplingRequest(_Request):
+class SamplingRequest(TopLevelRequest):
     """Fields both generation routes share, plus the vLLM-style extras the engine supports (top_k, min_p, ...)."""
     model: str
     n: int = Field(1, ge=1, le=MAX_N)
@@ -63,12 +78,22 @@ class SamplingRequest(_Request):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
     # extras (not in OpenAI's API; the openai client sends them through extra_body)
     top_k: int | None = Field(None, ge=0, le=SamplingParams.MAX_TOP_K)
     min_p: float | None = Field(None, ge=0, le=1)
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
+    repetition_penalty: float | None = Field(None, gt=0, le=10)
+    min_tokens: int = Field(0, ge=0)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = Field(None, ge=1)
+    # structured outputs, as vLLM spells them (response_format is on chat)
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def stop_strings(self) -> tuple[str, ...]:
         stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -78,12 +103,19 @@ class SamplingRequest(_Request):
             raise bad_request("Stop strings must not be empty.", "stop")
         return stops
 
+    def token_bias(self) -> dict[int, float]:
+        out = {}
+        for key, bias in (self.logit_bias or {}).items():
+            try:
+                out[int(key)] = bias
+            except ValueError:
+                raise bad_request(f"logit_bias keys must be token ids, got {key!r}.", "logit_bias") from None
+            if not -100 <= bias <= 100:
+                raise bad_request(f"logit_bias values must be between -100 and 100, got {bias}.", "logit_bias")
+        return out
+
     def check_unsupported(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise bad_request(f"{name} is not supported by this server; send 0 or leave it out.", name)
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported by this server.", "logit_bias")
+        self.check_unknown()
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true.", "stream_options")
 
@@ -93,10 +125,23 @@ class TextPart(_Request):
     text: str
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Request):
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None          # an assistant turn that called tools
+    tool_call_id: str | None = None                   # a tool turn: which call this is the result of
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -110,16 +155,23 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1, le=SamplingParams.MAX_TOKENS)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.tools:
-            raise bad_request("tools are not supported by this server.", "tools")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise bad_request("Only response_format {\"type\": \"text\"} is supported.", "response_format")
+        if self.continue_final_message and self.add_generation_prompt and "add_generation_prompt" in \
+                self.model_fields_set:
+            raise bad_request("continue_final_message and add_generation_prompt cannot both be true.",
+                              "continue_final_message")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise bad_request("continue_final_message needs an assistant message last.", "continue_final_message")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs")
 
@@ -233,7 +285,8 @@ def validation_error(e: ValidationError) -> APIError:
     return bad_request(f"{param or 'body'}: {err['msg']}{extra}.", param, "invalid_parameter")
 
 
-_TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "TextPart", "StreamOptions"}
+_TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "TextPart", "StreamOptions", "dict[str,any]",
+               "list[TextPart]", "ToolCall", "FunctionCall"}
 
 
 def _jsonable(x: Any) -> bool:

@@ -106,3 +106,17 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def prompt_logprobs(tokens: TokenText, ids: list[int], logprobs) -> list[dict | None]:
+    """vLLM's prompt_logprobs shape: None for the first prompt token, then {token_id: {logprob, rank,
+    decoded_token}} with the actual token and the top alternatives (rank 1 is the most likely)."""
+    out: list[dict | None] = [None]
+    for tid, lp in zip(ids[1:], logprobs or ()):
+        entry = {str(tid): {"logprob": _lp(lp.logprob), "rank": None, "decoded_token": tokens.text(tid)}}
+        for rank, (alt, alt_lp) in enumerate(lp.top, 1):
+            entry.setdefault(str(alt), {"logprob": _lp(alt_lp), "rank": rank, "decoded_token": tokens.text(alt)})
+            if alt == tid:
+                entry[str(tid)]["rank"] = rank
+        out.append(entry)
+    return out

@@ -11,6 +11,7 @@ from typing import AsyncIterator, Callable
 from warmstart.boot import Booted
 from warmstart.errors import UserError
 from warmstart.runner.batch import TokenLogprobs
+from warmstart.runner.grammar import Grammar, GrammarCompiler
 from warmstart.sampling_params import SamplingParams
 from warmstart.server.async_engine import AsyncEngine, ClientGone, Delta, RequestStream, SubRequest
 from warmstart.server.metrics import Metrics, RequestTimer
@@ -26,10 +27,16 @@ class ServingContext:
     engine: AsyncEngine
     model_name: str
     metrics: Metrics
+    tool_parser: str = "hermes"
+    reasoning_parser: str | None = None
     tokens: TokenText = field(init=False)
+    grammars: GrammarCompiler = field(init=False)
 
     def __post_init__(self) -> None:
         self.tokens = TokenText(self.booted.tokenizer)
+        engine = self.booted.engine
+        self.grammars = GrammarCompiler(self.booted.tokenizer.to_json(), engine.vocab_size,
+                                        tuple(sorted(engine.eos_token_ids)))
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -56,7 +63,8 @@ class ServingContext:
             raise bad_request(str(e), param) from None
 
     def params(self, req: SamplingRequest, prompt_len: int, max_tokens: int | None, *, choice: int,
-               logprobs: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
+               logprobs: int | None = None, prompt_logprobs: int | None = None,
+               grammar: Grammar | None = None) -> SamplingParams:
         """SamplingParams for one choice. max_tokens None means the rest of the context."""
         limit = self.max_model_len
         if max_tokens is None:
@@ -72,9 +80,20 @@ class ServingContext:
                 top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, min_p=req.min_p or 0.0,
                 seed=None if req.seed is None else req.seed + choice, stop=req.stop_strings(),
                 stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos, logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs)
+                prompt_logprobs=prompt_logprobs, presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                logit_bias=tuple(req.token_bias().items()), min_tokens=min(req.min_tokens, max_tokens),
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                skip_special_tokens=req.skip_special_tokens, grammar=grammar)
         except UserError as e:
             raise bad_request(str(e), e.param) from None
+
+
+def truncate(ids: list[int], req: SamplingRequest) -> list[int]:
+    """truncate_prompt_tokens: keep the last k prompt tokens (vLLM's rule: the end of a prompt matters most)."""
+    k = req.truncate_prompt_tokens
+    return ids[-k:] if k is not None and len(ids) > k else ids
 
 
 def new_id(prefix: str) -> str:
@@ -142,7 +161,7 @@ class Generation:
         self.ctx, self.route, self.subs, self.receive = ctx, route, subs, receive
         self.timer = RequestTimer(ctx.metrics, route)
         self.outcome = "aborted"
-        ctx.metrics.prompt_tokens.inc(sum(len(s.prompt_token_ids) for s in subs))
+        ctx.metrics.add_prompt_tokens(sum(len(s.prompt_token_ids) for s in subs))
 
     def _open(self) -> RequestStream:
         stream = self.ctx.engine.submit(self.subs, prefix=self.route.rsplit("/", 1)[-1])
@@ -155,7 +174,9 @@ class Generation:
             async with self._open() as stream:
                 async for d in stream:
                     if d.token_ids:
-                        self.timer.token()
+                        self.timer.token(len(d.token_ids), d.index)
+                    if d.finished:
+                        self.timer.finished(d.finish_reason)
                     yield d
             self.outcome = "finished"
         except ClientGone:
