@@ -9,7 +9,9 @@ def _terminated(signum, frame):
 
 
 signal.signal(signal.SIGTERM, _terminated)
-
-from warmstart.cli import main  # noqa: E402
-
-sys.exit(main())
+try:
+    from warmstart.cli import main
+    code = main()
+except KeyboardInterrupt:               # Ctrl-C while still importing: no traceback
+    code = 130
+sys.exit(code)

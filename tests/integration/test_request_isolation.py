@@ -61,3 +61,20 @@ def test_values_the_engine_cannot_represent_are_refused_and_named(field, value):
     with pytest.raises(UserError) as e:
         SamplingParams(**{field: value})
     assert e.value.param == field
+
+
+def test_a_failure_in_one_requests_postprocessing_fails_only_that_request(llm, monkeypatch):
+    """Stop checks and detokenization run per request too: one raising retires that request alone."""
+    alone = llm.generate_ids([PROMPTS[0], PROMPTS[2]], GREEDY)
+    engine = llm.booted.engine
+    real = engine._stop_reason
+
+    def stop_reason(seq, token):
+        if seq.prompt_token_ids == PROMPTS[1] and len(seq.output_token_ids) == 3:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+        return real(seq, token)
+    monkeypatch.setattr(engine, "_stop_reason", stop_reason)
+    outs = llm.generate_ids(PROMPTS, GREEDY)
+    assert outs[1].finish_reason == "error"
+    assert [outs[0].output_token_ids, outs[2].output_token_ids] == [o.output_token_ids for o in alone]
+    assert engine.blocks.num_free == engine.blocks.num_blocks

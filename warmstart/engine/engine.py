@@ -131,24 +131,35 @@ class Engine:
         outputs = []
         for sched, res in zip(out.scheduled, results):
             seq = sched.seq
-            if res.error is not None:
-                self._retire(seq, "error")
-                self._sent.pop(seq.seq_id, None)
-                outputs.append(RequestOutput(seq.request_id, seq, [], "", True, res.error))
-                continue
-            seq.num_computed_tokens += sched.num_tokens
-            if res.prompt_logprobs and len(seq.prompt_logprobs) < seq.num_prompt_tokens - 1:
-                seq.prompt_logprobs.extend(res.prompt_logprobs)   # a recompute after preemption adds nothing twice
-            if res.token_id is None:
-                continue
-            seq.token_ids.append(res.token_id)
-            if res.logprobs is not None:
-                seq.logprobs.append(res.logprobs)
-            reason = self._stop_reason(seq, res.token_id)
-            if reason:
-                self._retire(seq, reason)
-            outputs.append(RequestOutput(seq.request_id, seq, [res.token_id], self._text_delta(seq), seq.finished))
+            error = res.error
+            if error is None:
+                try:                    # one request's stop check or detokenization failing fails it alone
+                    output = self._apply(sched.num_tokens, seq, res)
+                except Exception as e:
+                    log.exception("postprocessing request %s failed", seq.request_id)
+                    error = f"postprocessing failed: {type(e).__name__}: {e}"
+                else:
+                    if output is not None:
+                        outputs.append(output)
+                    continue
+            self._retire(seq, "error")
+            self._sent.pop(seq.seq_id, None)
+            outputs.append(RequestOutput(seq.request_id, seq, [], "", True, error))
         return outputs
+
+    def _apply(self, num_tokens: int, seq: Sequence, res: ItemResult) -> RequestOutput | None:
+        seq.num_computed_tokens += num_tokens
+        if res.prompt_logprobs and len(seq.prompt_logprobs) < seq.num_prompt_tokens - 1:
+            seq.prompt_logprobs.extend(res.prompt_logprobs)   # a recompute after preemption adds nothing twice
+        if res.token_id is None:
+            return None
+        seq.token_ids.append(res.token_id)
+        if res.logprobs is not None:
+            seq.logprobs.append(res.logprobs)
+        reason = self._stop_reason(seq, res.token_id)
+        if reason:
+            self._retire(seq, reason)
+        return RequestOutput(seq.request_id, seq, [res.token_id], self._text_delta(seq), seq.finished)
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params

@@ -185,7 +185,8 @@ Prompt = str | list[TokenId] | list[str | list[TokenId]]        # a batch may mi
 
 class CompletionRequest(SamplingRequest):
     prompt: Prompt
-    max_tokens: int | None = Field(None, ge=0, le=SamplingParams.MAX_TOKENS)   # 0 is allowed with echo: scoring a prompt, generating nothing
+    # 0 is allowed with echo: scoring a prompt, generating nothing
+    max_tokens: int | None = Field(None, ge=0, le=SamplingParams.MAX_TOKENS)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
