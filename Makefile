@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 KERNEL_SRC := setup.py $(wildcard warmstart/kernels/csrc/*.cpp warmstart/kernels/csrc/*.h)
 KERNEL_STAMP := $(VENV)/.kernels
 
-.PHONY: venv serve test bench
+.PHONY: venv serve test bench bench-decode
 venv: $(STAMP) $(KERNEL_STAMP)
 
 $(STAMP): requirements.lock pyproject.toml
@@ -32,3 +32,14 @@ test: venv
 
 bench: venv
 	$(PY) benchmarks/throughput.py
+
+# Decode speed vs llama.cpp and transformers (issue 8). llama-cpp-python is built from source into its own venv,
+# never into the runtime one; if it cannot be built the benchmark skips llama.cpp and says so.
+PEERS := .venv-peers
+$(PEERS)/.installed:
+	test -x $(PEERS)/bin/python || python3 -m venv $(PEERS)
+	MAKEFLAGS=-j2 $(PEERS)/bin/pip install -q llama-cpp-python==0.3.36 || echo "llama-cpp-python could not be built"
+	touch $@
+
+bench-decode: venv $(PEERS)/.installed
+	$(PY) benchmarks/decode.py $(ARGS)
