@@ -9,7 +9,7 @@ from torch import nn
 from warmstart.runner.attention import PAGED_MAX_Q, AttentionMeta, PagedAttentionBackend, PagedRows, SeqSlice
 from warmstart.runner.batch import Batch, BatchItem, ItemResult
 from warmstart.runner.logits_processors import LogitsProcessors
-from warmstart.runner.sampler import sample_isolated, token_logprobs
+from warmstart.runner.sampler import sample, sample_isolated, token_logprobs
 from warmstart.sampling_params import SamplingParams
 
 

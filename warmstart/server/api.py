@@ -13,15 +13,13 @@ from typing import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from warmstart.server import chat, completions
-from warmstart.server.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
-from fastapi.middleware.cors import CORSMiddleware
-
 from warmstart.server import chat, completions, responses, tokenize
 from warmstart.server.auth import RequireKey
+from warmstart.server.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
 from warmstart.server.options import ServerOptions
 from warmstart.server.metrics import ROUTES, Metrics
 from warmstart.server.protocol import APIError, not_ready
