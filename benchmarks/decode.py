@@ -1,6 +1,6 @@
 """Decode speed on CPU against peers, every ratio measured in one run (issue 8). Prints tables, writes JSON.
 
-    python benchmarks/decode.py [--new-tokens 128] [--rounds 2] [--out benchmarks/results/decode.json] [--quick]
+    python benchmarks/decode.py [--new-tokens 128] [--rounds 2] [--threads N] [--out benchmarks/results/decode.json]
 
 Every figure is a fresh process (the worker mode of this file), and systems run interleaved, round by round, so a
 noisy neighbour hits all of them alike; ratios are per round, then the median. decode tok/s = B*(N-1)/(tN - t1),
@@ -151,6 +151,9 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="fewer tokens and one round (a smoke run)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="threads for every system (default: the cores this process may use); 1 thread is the fair "
+                         "setting on a host other jobs keep busy")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "decode.json"))
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -161,7 +164,8 @@ def main() -> int:
     sys.path.insert(0, str(ROOT))
     from warmstart.threads import available_cpus
     from warmstart.weights.gguf import default_model_gguf
-    threads = available_cpus()
+    threads = args.threads or available_cpus()
+    os.environ["OMP_NUM_THREADS"] = str(threads)          # every worker, warmstart and transformers alike
     gguf_path = str(default_model_gguf())
     have_llama = PEERS_PY.exists() and subprocess.run([str(PEERS_PY), "-c", "import llama_cpp"],
                                                       capture_output=True).returncode == 0
@@ -204,11 +208,12 @@ def main() -> int:
 
     # under load: busy loops on every core vs quiet; passive (default) vs active OpenMP wait
     load = {}
+    boot_seconds()                                          # prime: import the model and write the plan once
     for policy in ("PASSIVE", "ACTIVE"):
         env = {"OMP_WAIT_POLICY": policy}
         q = spawn("ws", {"batch": 1, "ctx": 40, "n": min(n, 64), "dtype": "float32", "quantization": "auto"}, env)
         qb = boot_seconds(env)
-        with Load(threads):
+        with Load(available_cpus()):
             l = spawn("ws", {"batch": 1, "ctx": 40, "n": min(n, 64), "dtype": "float32", "quantization": "auto"},
                       env)
             lb = boot_seconds(env)

@@ -1,0 +1,66 @@
+"""Thread count and OpenMP wait policy (threads.py), and the CPU dtype choice (runner/dtype_probe.py)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from warmstart.runner import dtype_probe
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_py(code: str, env: dict | None = None, affinity: set[int] | None = None) -> str:
+    e = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
+    e.update({"PYTHONPATH": str(ROOT), **(env or {})})
+    pre = (lambda: os.sched_setaffinity(0, affinity)) if affinity else None
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, preexec_fn=pre,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip().splitlines()[-1]
+
+
+PROBE = ("import json; from warmstart import threads; s = threads.configure(); import torch; "
+         "print(json.dumps([s.to_dict(), torch.get_num_threads(), __import__('os').environ.get('OMP_WAIT_POLICY')]))")
+
+
+def test_default_threads_follow_the_affinity_mask_and_wait_passively():
+    settings, torch_threads, env_policy = json.loads(run_py(PROBE, affinity={0}))
+    assert settings["available_cpus"] == 1 and settings["threads"] == 1 and torch_threads == 1
+    assert settings["wait_policy"] == "PASSIVE" == env_policy and settings["policy_source"] == "warmstart default"
+
+
+def test_the_users_environment_wins():
+    settings, torch_threads, env_policy = json.loads(run_py(PROBE, env={"OMP_WAIT_POLICY": "active",
+                                                                        "OMP_NUM_THREADS": "1"}))
+    assert settings["wait_policy"] == "ACTIVE" and settings["policy_source"] == "environment"
+    assert settings["threads"] == torch_threads == 1
+
+
+def test_importing_the_offline_api_sets_the_policy_before_torch():
+    code = "import warmstart.llm, os, json; print(json.dumps(os.environ.get('OMP_WAIT_POLICY')))"
+    assert json.loads(run_py(code)) == "PASSIVE"
+
+
+def test_torch_loaded_first_is_reported_not_hidden():
+    code = ("import torch, json; from warmstart import threads; s = threads.configure(1); "
+            "print(json.dumps(s.to_dict()))")
+    settings = json.loads(run_py(code))
+    assert settings["policy_source"] == "set after torch loaded (no effect)" and settings["threads"] == 1
+
+
+@pytest.mark.parametrize("flags,expected", [("avx2,fma", "float32"), ("avx2,avx512f,amx_bf16", "bfloat16")])
+def test_dtype_rules_that_need_no_measurement(flags, expected, tmp_path):
+    choice = dtype_probe.choose_cpu_dtype("cpu", flags, [(64, 32)], tmp_path)
+    assert choice.dtype == expected and choice.fp32_us is None
+    assert not (tmp_path / "probes").exists()
+
+
+def test_avx512_bf16_is_measured_once_and_cached(tmp_path, monkeypatch):
+    first = dtype_probe.choose_cpu_dtype("cpu", "avx512f,avx512_bf16", [(256, 128)], tmp_path)
+    assert first.reason == "measured" and first.fp32_us > 0 and first.bf16_us > 0
+    assert first.dtype == ("bfloat16" if first.fp32_us >= first.bf16_us * dtype_probe.MARGIN else "float32")
+    monkeypatch.setattr(dtype_probe, "_measure", lambda shapes: pytest.fail("measured twice"))
+    assert dtype_probe.choose_cpu_dtype("cpu", "avx512f,avx512_bf16", [(256, 128)], tmp_path) == first
