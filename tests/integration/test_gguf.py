@@ -198,7 +198,7 @@ def test_cache_folder_is_keyed_by_sha_and_reused(tiny_gguf, tmp_path):
     src = tiny_gguf[0]
     out = wg.import_gguf(src, cache_dir=tmp_path, progress=False)
     sha = wg.sha256_file(src)
-    assert out == tmp_path / "models" / f"gguf-{sha[:16]}"
+    assert out == tmp_path / "models" / f"gguf-{sha[:16]}-v{wg._MARKER_FORMAT}"
     marker = json.loads((out / wg.MARKER).read_text())
     assert marker["sha256"] == sha and marker["source"] == str(src.resolve())
     before = (out / "model.safetensors").stat().st_ino, (out / wg.MARKER).stat().st_mtime_ns
@@ -219,7 +219,7 @@ def test_failed_conversion_leaves_no_folder(tiny_gguf, tmp_path, monkeypatch):
 
 
 def test_incomplete_cache_folder_is_replaced(tiny_gguf, tmp_path):
-    target = tmp_path / "models" / f"gguf-{wg.sha256_file(tiny_gguf[0])[:16]}"
+    target = tmp_path / "models" / f"gguf-{wg.sha256_file(tiny_gguf[0])[:16]}-v{wg._MARKER_FORMAT}"
     target.mkdir(parents=True)
     (target / "config.json").write_text("{}")  # files but no marker: an interrupted copy, not a finished import
     assert wg.import_gguf(tiny_gguf[0], cache_dir=tmp_path, progress=False) == target

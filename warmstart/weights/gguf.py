@@ -121,7 +121,8 @@ def _checked_source(gguf_path: str | Path) -> Path:
 
 def _cache_target(sha: str, cache_dir: str | Path | None) -> Path:
     root = Path(cache_dir).expanduser() if cache_dir is not None else warmstart_cache_dir()
-    return root / "models" / f"gguf-{sha[:16]}"
+    # The format is in the name: an older warmstart keeps reading its own float32 import beside this one.
+    return root / "models" / f"gguf-{sha[:16]}-v{_MARKER_FORMAT}"
 
 
 def _read_marker(folder: Path) -> dict[str, Any] | None:
