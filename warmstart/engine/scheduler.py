@@ -41,6 +41,7 @@ class PrefixStats:
 class Scheduled:
     seq: Sequence
     num_tokens: int
+    lookahead: int = 0        # speculative decoding: proposed tokens this decode step may verify (slots held)
 
 
 @dataclass(frozen=True)
@@ -66,8 +67,11 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, limits: SchedulerLimits, blocks: BlockManager):
+    def __init__(self, limits: SchedulerLimits, blocks: BlockManager, num_lookahead: int = 0):
         self.limits, self.blocks = limits, blocks
+        # Speculative decoding: a decoding sequence may feed up to this many proposed tokens after its last one.
+        # They take budget and KV slots for this step only; the engine trims what the target rejected.
+        self.num_lookahead = num_lookahead
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # Parallel samples of one prompt wait here until their parent has the prompt in the KV cache; then they
@@ -126,8 +130,11 @@ class Scheduler:
             if seq.status is not Status.RUNNING:
                 break
             self.blocks.allocate(seq, seq.num_computed_tokens + n)
-            scheduled.append(Scheduled(seq, n))
-            budget -= n
+            la = self._lookahead(seq, n, budget - n)
+            if la:
+                self.blocks.allocate(seq, seq.num_computed_tokens + n + la)
+            scheduled.append(Scheduled(seq, n, la))
+            budget -= n + la
             i += 1
         # Admit new work only in a step that did not have to preempt: memory is tight otherwise.
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs and not preempted:
@@ -150,6 +157,20 @@ class Scheduler:
             scheduled.append(Scheduled(seq, n))
             budget -= n
         return SchedulerOutput(scheduled, preempted)
+
+    def _lookahead(self, seq: Sequence, n: int, budget: int) -> int:
+        """Proposed tokens a decoding sequence may verify this step: at most num_lookahead, never more than the
+        budget and free blocks allow (speculation never preempts), and never so many that accepting them all
+        would pass max_tokens or max_model_len."""
+        if not self.num_lookahead or n != 1 or seq.num_uncomputed != 1 or \
+                seq.num_computed_tokens < seq.num_prompt_tokens:
+            return 0
+        left = min(seq.params.max_tokens - len(seq.output_token_ids),
+                   self.limits.max_model_len - len(seq.token_ids)) - 1
+        la = max(0, min(self.num_lookahead, budget, left))
+        while la and not self.blocks.can_allocate(seq, seq.num_computed_tokens + n + la):
+            la -= 1
+        return la
 
     def _match(self, seq: Sequence) -> list[int]:
         if seq.block_table or seq.params.prompt_logprobs is not None:   # a forked child already shares blocks
