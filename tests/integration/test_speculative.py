@@ -120,14 +120,16 @@ def test_stops_and_max_tokens_mid_proposal(target, plain, other):
 def test_preemption_and_chunked_prefill(target, other):
     """A cache too small for the batch (preemption by recompute) and a small token budget (chunked prefill)."""
     args = dict(ARGS, kv_cache_memory=None, max_num_batched_tokens=32)
-    small = dict(kv_cache_memory=60 * 16 * 2 * 2 * 96 * 4)  # about 60 blocks of 16 tokens for the target alone
-    base = LLM(str(target), **{**args, **small})
+    base = LLM(str(target), **{**args, "kv_cache_memory": 24 * 12288})      # 24 blocks of 16 tokens
+    small = dict(kv_cache_memory=24 * (12288 + 4096))                        # the same 24, draft KV beside
+    assert base.booted.ledger.num_kv_blocks == 24
     params = SamplingParams(max_tokens=80, temperature=0, ignore_eos=True)
     prompts = [list(range(3 + i, 60 + i)) for i in range(6)]
     want = run(base, prompts, params)
     llm = spec_llm("other", target, other, **{**args, **small})
     got = run(llm, prompts, params)
     assert out(got) == out(want)
+    assert llm.booted.ledger.num_kv_blocks == 24
     assert sum(s.num_preemptions for s in got) > 0
 
 
