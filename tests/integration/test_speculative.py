@@ -158,3 +158,26 @@ def test_config_checks(target):
         LLM(str(target), speculative_method="ngram", **ARGS)
     with pytest.raises(UserError, match="proposer"):
         LLM(str(target), num_speculative_tokens=3, **ARGS)
+
+
+def test_serve_reports_speculation_in_startup_and_metrics(target, tmp_path):
+    import httpx
+
+    from tests.integration.server_process import ServerProcess
+    srv = ServerProcess(target, "--kv-cache-memory", "16MiB", "--max-model-len", 320, "--cache-dir", tmp_path / "c",
+                        "--speculative-method", "ngram", "--num-speculative-tokens", 3,
+                        log_path=tmp_path / "server.log")
+    try:
+        srv.wait_ready(timeout=120)
+        r = httpx.post(f"{srv.base_url}/v1/completions", timeout=60,
+                       json={"model": target.name, "prompt": REPEAT + REPEAT, "max_tokens": 40, "temperature": 0,
+                             "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        spec = httpx.get(f"{srv.base_url}/startup").json()["speculative"]
+        assert spec["method"] == "ngram" and spec["num_speculative_tokens"] == 3
+        assert spec["proposals"] > 0 and 0 <= spec["acceptance_rate"] <= 1
+        assert spec["mean_tokens_per_target_forward"] >= 1
+        assert srv.metric("warmstart_spec_proposed_tokens_total") == spec["proposals"]
+        assert srv.metric("warmstart_spec_accepted_tokens_total") == spec["accepted_tokens"]
+    finally:
+        srv.terminate()
