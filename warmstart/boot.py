@@ -125,7 +125,9 @@ def boot(config: EngineConfig, timer: StepTimer | None = None) -> Booted:
         runner = ModelRunner(model, device.torch_device(), kv_dtype)
         draft_runner = draft_loaded = None
         if draft_dir is not None:
-            draft_loaded = load_weights(draft_dir, dtype, device.torch_device(), role="draft", config=config,
+            # Its own daemon socket (role draft); load format, mode and fallback policy as for the target.
+            draft_loaded = load_weights(draft_dir, dtype, device.torch_device(), role="draft",
+                                        config=config.replace(weight_socket=config.draft_weight_socket),
                                         charges=charges)
             draft_runner = ModelRunner(_bind_model(draft_spec, draft_loaded, device), device.torch_device(),
                                        kv_dtype)

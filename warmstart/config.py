@@ -76,6 +76,7 @@ class EngineConfig:
     draft_model: str | None = None            # --speculative-model: the draft model of speculative decoding
     # speculative decoding (warmstart/spec): propose K tokens per decoding sequence, verify them in one forward
     num_speculative_tokens: int = 0
+    draft_weight_socket: str | None = None    # the draft role's daemon socket (default: discovered for role draft)
     speculative_method: str | None = None     # "draft" | "ngram"; None -> "draft" when draft_model is set
     # prefix cache: reuse cached full KV blocks across requests, and keep the hottest across a restart
     enable_prefix_caching: bool = True
