@@ -181,3 +181,21 @@ def test_serve_reports_speculation_in_startup_and_metrics(target, tmp_path):
         assert srv.metric("warmstart_spec_accepted_tokens_total") == spec["accepted_tokens"]
     finally:
         srv.terminate()
+
+
+def test_plan_key_names_k_and_method_and_the_ledger_covers_the_draft(target, other, tmp_path):
+    args = dict(max_model_len=320, dtype="float32", memory_utilization=0.03, cache_dir=tmp_path / "c")
+    first = LLM(str(target), speculative_model=str(other), num_speculative_tokens=3, **args)
+    assert first.report.plan.status == "miss" and first.report.plan.saved
+    again = LLM(str(target), speculative_model=str(other), num_speculative_tokens=3, **args)
+    assert again.report.plan.status == "hit"
+    changed = LLM(str(target), speculative_model=str(other), num_speculative_tokens=4, **args)
+    assert changed.report.plan.status == "miss"
+    assert any("speculative.num_tokens" in r for r in changed.report.plan.reasons), changed.report.plan.reasons
+    ngram = LLM(str(target), speculative_method="ngram", num_speculative_tokens=3, **args)
+    assert any("speculative.method" in r or "draft_model" in r for r in ngram.report.plan.reasons)
+    m = first.booted.ledger
+    assert m.draft_kv_cache_bytes == m.num_kv_blocks * first.booted.engine.proposer.runner.kv_block_bytes(16)
+    assert m.kv_block_bytes == first.booted.runner.kv_block_bytes(16) + \
+        first.booted.engine.proposer.runner.kv_block_bytes(16)
+    assert m.draft_weights_bytes > 0 and "draft kv cache" in m.table() and "draft weights" in m.table()
