@@ -199,3 +199,31 @@ def test_plan_key_names_k_and_method_and_the_ledger_covers_the_draft(target, oth
     assert m.kv_block_bytes == first.booted.runner.kv_block_bytes(16) + \
         first.booted.engine.proposer.runner.kv_block_bytes(16)
     assert m.draft_weights_bytes > 0 and "draft kv cache" in m.table() and "draft weights" in m.table()
+
+
+def test_prefix_cache_holds_only_verified_blocks(target, other, plain, tmp_path):
+    """After many rejections, every cached block holds the tokens of its request at its position, and a new
+    request that reuses them (prompt = an earlier prompt + its output) still decodes as the target alone without
+    a cache. Between steps a sequence never keeps blocks beyond its tokens (rejected slots are trimmed)."""
+    llm = spec_llm("other", target, other, k=5)
+    engine = llm.booted.engine
+    step = engine.step
+    extra = []
+
+    def checked_step():
+        outs = step()
+        for seq in engine.scheduler.running:
+            extra.append(len(seq.block_table) - engine.blocks.blocks_for(len(seq.token_ids)))
+        return outs
+    engine.step = checked_step
+    params = SamplingParams(max_tokens=70, temperature=0, ignore_eos=True)
+    first = run(llm, [REPEAT, [11, 12, 13]], params)
+    assert extra and max(extra) <= 0
+    bs = engine.blocks.block_size
+    for meta in engine.blocks.cached_blocks():
+        assert any(tuple(s.token_ids[meta.depth * bs:(meta.depth + 1) * bs]) == meta.token_ids for s in first)
+    again = [s.token_ids for s in first]
+    got = run(llm, again, params, "again")
+    assert sum(s.num_cached_tokens for s in got) > 0
+    nocache = LLM(str(target), enable_prefix_caching=False, **ARGS)
+    assert out(got) == out(run(nocache, again, params))

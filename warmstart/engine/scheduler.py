@@ -130,12 +130,17 @@ class Scheduler:
             if seq.status is not Status.RUNNING:
                 break
             self.blocks.allocate(seq, seq.num_computed_tokens + n)
-            la = self._lookahead(seq, n, budget - n)
-            if la:
-                self.blocks.allocate(seq, seq.num_computed_tokens + n + la)
-            scheduled.append(Scheduled(seq, n, la))
-            budget -= n + la
+            scheduled.append(Scheduled(seq, n))
+            budget -= n
             i += 1
+        # Speculative slots come after every running sequence has its own tokens' blocks, so they never cause a
+        # preemption; they go before admissions (a proposal is cheaper than a new prefill's first chunk).
+        for j, s in enumerate(scheduled if self.num_lookahead else ()):
+            la = self._lookahead(s.seq, s.num_tokens, budget)
+            if la:
+                self.blocks.allocate(s.seq, s.seq.num_computed_tokens + s.num_tokens + la)
+                scheduled[j] = Scheduled(s.seq, s.num_tokens, la)
+                budget -= la
         # Admit new work only in a step that did not have to preempt: memory is tight otherwise.
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs and not preempted:
             seq = self.waiting[0]
