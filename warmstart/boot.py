@@ -5,7 +5,7 @@ MemoryLedger, StartupReport); the EngineConfig that went in is never changed."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -19,6 +19,9 @@ from warmstart.models.registry import build_model
 from warmstart.models.spec import ModelSpec
 from warmstart.runner.runner import ModelRunner
 from warmstart.sampling_params import SamplingParams
+from warmstart.spec import SpecStats
+from warmstart.spec.proposer import DraftProposer, NgramProposer
+from warmstart.weights.charges import ExternalCharges
 from warmstart.keys import compile_key, plan_key
 from warmstart.planning import MemoryPlanner, ResidentCheck
 from warmstart.prefix_store import PrefixOutcome, PrefixStore
@@ -99,30 +102,58 @@ def boot(config: EngineConfig, timer: StepTimer | None = None) -> Booted:
         kv_dtype = dtype if config.kv_cache_dtype == "auto" else DTYPES[config.kv_cache_dtype]
         max_model_len = _max_model_len(config, spec)
         torch.manual_seed(config.seed)
+        draft_dir = draft_spec = None
+        if config.spec_method == "draft":
+            draft_dir = resolve_model_dir(config.draft_model, config.cache_dir)
+            draft_spec = ModelSpec.from_dir(draft_dir)
+            if draft_spec.vocab_size != spec.vocab_size:
+                raise UserError(f"The speculative model {config.draft_model} has a vocabulary of "
+                                f"{draft_spec.vocab_size} tokens but the target {config.model or 'default'} has "
+                                f"{spec.vocab_size}: a draft must share the target's tokenizer vocabulary.")
         # The plan key is built here, from the user's config and device facts, before anything is derived.
-        planner = MemoryPlanner(config, device, facts, plan_key(config, model_dir, spec, facts),
+        planner = MemoryPlanner(config, device, facts, plan_key(config, model_dir, spec, facts, draft_dir),
                                 PlanStore(config.cache_dir / "plans"), free_at_boot)
     with timer.step("tokenizer"):
         tokenizer = Tokenizer(model_dir)
         # Runtime overhead: what the process holds before any weight arrives (interpreter, torch, tokenizer).
         overhead = round_up(device.process_bytes(), OVERHEAD_QUANTUM) if device.kind == "cpu" else 0
     with timer.step("weights"):
-        loaded = load_weights(model_dir, dtype, device.torch_device(), role="target", config=config)
-        with torch.device("meta"):
-            model = build_model(spec)
-        bind_weights(model, loaded.tensors, model.tied_weights())
-        materialize_buffers(model, device.torch_device())
-        model.eval()
-        weights_outcome = WeightsOutcome(loaded.source, loaded.fallback_reason, tuple(loaded.charges.entries()))
+        charges = ExternalCharges()           # one for every role: a daemon serving both is charged once
+        loaded = load_weights(model_dir, dtype, device.torch_device(), role="target", config=config,
+                              charges=charges)
+        model = _bind_model(spec, loaded, device)
         runner = ModelRunner(model, device.torch_device(), kv_dtype)
+        draft_runner = draft_loaded = None
+        if draft_dir is not None:
+            # Its own daemon socket (role draft); load format, mode and fallback policy as for the target.
+            draft_loaded = load_weights(draft_dir, dtype, device.torch_device(), role="draft",
+                                        config=config.replace(weight_socket=config.draft_weight_socket),
+                                        charges=charges)
+            draft_runner = ModelRunner(_bind_model(draft_spec, draft_loaded, device), device.torch_device(),
+                                       kv_dtype)
+        weights_outcome = WeightsOutcome(loaded.source, loaded.fallback_reason, tuple(charges.entries()))
     with timer.step("memory profile"):
-        ledger = planner.plan(runner, loaded.owned_bytes, loaded.charges.total_bytes, overhead, max_model_len)
+        owned = loaded.owned_bytes + (draft_loaded.owned_bytes if draft_loaded else 0)
+        if draft_runner is not None:
+            planner.extra_kv_block_bytes = draft_runner.kv_block_bytes(config.block_size)
+        ledger = planner.plan(runner, owned, charges.total_bytes, overhead, max_model_len)
+        if draft_runner is not None:
+            draft_charged = sum(e["bytes"] for e in charges.entries() if e["role"] == "draft")
+            ledger = replace(ledger, draft_weights_bytes=draft_loaded.owned_bytes + draft_charged,
+                             draft_kv_cache_bytes=ledger.num_kv_blocks * planner.extra_kv_block_bytes)
     with timer.step("kv allocation"):
         _check_fits(ledger, max_model_len, config)
         runner.allocate_kv(ledger.num_kv_blocks, ledger.block_size)
+        proposer = None
+        if draft_runner is not None:
+            draft_runner.allocate_kv(ledger.num_kv_blocks, ledger.block_size)
+            proposer = DraftProposer(draft_runner)
+        elif config.spec_method == "ngram":
+            proposer = NgramProposer()
     engine = Engine(runner, SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, max_model_len),
                     ledger.num_kv_blocks, ledger.block_size, spec.vocab_size, spec.eos_token_ids, tokenizer.decode,
-                    enable_prefix_caching=config.enable_prefix_caching)
+                    enable_prefix_caching=config.enable_prefix_caching, proposer=proposer,
+                    num_speculative_tokens=config.num_speculative_tokens)
     with timer.step("prefix restore"):
         prefix = PrefixStore.for_boot(config, model_dir, spec, facts, dtype, kv_dtype)
         restored = prefix.restore(runner, engine.blocks) if prefix else PrefixOutcome("off")
@@ -141,12 +172,30 @@ def boot(config: EngineConfig, timer: StepTimer | None = None) -> Booted:
     extra = {"resident": resident.to_dict(), "threads": thread_settings.to_dict(),
              "dtype": str(dtype).removeprefix("torch."),
              "quantization": _quantization_summary(loaded.tensors, config.quantization),
-             "prefix_restore": restored.to_dict()}
+             "prefix_restore": restored.to_dict(), "speculative": _speculative_summary(engine, draft_loaded)}
     if compile_info:
         extra["compile"] = compile_info.snapshot()
     report = StartupReport(timer.wall_seconds, timer.to_list(), plan, ledger, weights_outcome, extra=extra)
     log.info("startup steps:\n%s", timer.table())
     return Booted(config, model_dir, spec, tokenizer, runner, engine, ledger, report, max_model_len, prefix)
+
+
+def _bind_model(spec: ModelSpec, loaded, device):
+    with torch.device("meta"):
+        model = build_model(spec)
+    bind_weights(model, loaded.tensors, model.tied_weights())
+    materialize_buffers(model, device.torch_device())
+    return model.eval()
+
+
+def _speculative_summary(engine: Engine, draft_loaded) -> dict:
+    """The startup report's speculative section: method, K, the draft's weight source; counters live on
+    engine.spec_stats (the warm-up is excluded) and are read by /startup and /metrics at request time."""
+    d = {"method": engine.spec_stats.method, "num_speculative_tokens": engine.spec_stats.num_speculative_tokens}
+    if draft_loaded is not None:
+        d["draft_weights"] = {"source": draft_loaded.source, "fallback_reason": draft_loaded.fallback_reason,
+                              "owned_bytes": draft_loaded.owned_bytes}
+    return d
 
 
 def _quantization_summary(tensors: dict[str, torch.Tensor], requested: str) -> dict:
@@ -196,3 +245,4 @@ def _warm_up(engine: Engine) -> None:
         engine.step()
     engine.step()                                  # flushes the finished id to the runner
     engine.scheduler.prefix_stats = PrefixStats()  # the warm-up is not traffic: hit rates start at the first request
+    engine.spec_stats = SpecStats(engine.spec_stats.method, engine.spec_stats.num_speculative_tokens)

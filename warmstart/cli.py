@@ -69,6 +69,17 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
     g.add_argument("--prefix-cache-persist", type=byte_size, default=_D["prefix_cache_persist"], metavar="BYTES",
                    help="on graceful shutdown, save up to this much of the most recently used cached KV to the cache "
                         "dir and restore it at the next boot (default 64MiB; 0 disables)")
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument("--speculative-model", dest="draft_model", default=None, metavar="PATH",
+                   help="draft model (same vocabulary as the target); its weights may come from a daemon serving "
+                        "role draft")
+    g.add_argument("--num-speculative-tokens", type=int, default=_D["num_speculative_tokens"], metavar="K",
+                   help="tokens proposed per decoding sequence and step, verified in one target forward")
+    g.add_argument("--draft-weight-socket", default=None,
+                   help="the draft model's daemon socket (`warmstart weights serve DRAFT --role draft`; default: "
+                        "discovered in the socket dir)")
+    g.add_argument("--speculative-method", default=None, choices=["draft", "ngram"],
+                   help="draft (default with --speculative-model) or ngram (prompt lookup, no second model)")
     g = p.add_argument_group("startup plans")
     g.add_argument("--startup-plan", default=_D["startup_plan"],
                    choices=["auto", "off", "read", "write", "require"],
@@ -95,7 +106,9 @@ def config_from_args(args: argparse.Namespace, model: str | None = None) -> Engi
               startup_plan=args.startup_plan, plan_free_tolerance=args.plan_free_tolerance,
               load_format=args.load_format, weight_socket=args.weight_socket, weight_mode=args.weight_mode,
               weight_fallback=args.weight_fallback == "on", enable_prefix_caching=args.enable_prefix_caching,
-              prefix_cache_persist=args.prefix_cache_persist)
+              prefix_cache_persist=args.prefix_cache_persist, draft_model=args.draft_model,
+              num_speculative_tokens=args.num_speculative_tokens, speculative_method=args.speculative_method,
+              draft_weight_socket=args.draft_weight_socket)
     if args.cache_dir:
         kw["cache_dir"] = args.cache_dir
     return EngineConfig(**kw)

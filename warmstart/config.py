@@ -73,7 +73,11 @@ class EngineConfig:
     weight_socket: str | None = None
     weight_mode: WeightMode = "zero_copy"
     weight_fallback: bool = True
-    draft_model: str | None = None
+    draft_model: str | None = None            # --speculative-model: the draft model of speculative decoding
+    # speculative decoding (warmstart/spec): propose K tokens per decoding sequence, verify them in one forward
+    num_speculative_tokens: int = 0
+    draft_weight_socket: str | None = None    # the draft role's daemon socket (default: discovered for role draft)
+    speculative_method: str | None = None     # "draft" | "ngram"; None -> "draft" when draft_model is set
     # prefix cache: reuse cached full KV blocks across requests, and keep the hottest across a restart
     enable_prefix_caching: bool = True
     prefix_cache_persist: int = 64 * 2**20    # bytes of cached KV written at graceful shutdown; 0 disables save+restore
@@ -116,7 +120,26 @@ class EngineConfig:
                f"--weight-mode {self.weight_mode!r} is not one of zero_copy, copy.")
         _check(self.prefix_cache_persist >= 0, f"--prefix-cache-persist must be a size of 0 or more (0 disables "
                f"it), got {self.prefix_cache_persist}.")
+        _check(self.speculative_method in (None, "draft", "ngram"),
+               f"--speculative-method {self.speculative_method!r} is not one of draft, ngram.")
+        _check(self.speculative_method != "ngram" or self.draft_model is None,
+               "--speculative-method ngram uses no second model; drop --speculative-model, or use method draft.")
+        _check(self.speculative_method != "draft" or self.draft_model is not None,
+               "--speculative-method draft needs --speculative-model PATH (a model with the target's vocabulary).")
+        _check(0 <= self.num_speculative_tokens <= 15,
+               f"--num-speculative-tokens must be between 0 and 15, got {self.num_speculative_tokens}.")
+        _check(self.spec_method is None or self.num_speculative_tokens > 0,
+               "Speculative decoding needs --num-speculative-tokens K (1 to 15): how many tokens to propose.")
+        _check(self.num_speculative_tokens == 0 or self.spec_method is not None,
+               "--num-speculative-tokens needs a proposer: --speculative-model PATH or --speculative-method ngram.")
         _check(0 <= self.rank < self.world_size, f"rank {self.rank} is outside world size {self.world_size}.")
+
+    @property
+    def spec_method(self) -> str | None:
+        """The speculative method in force: None (off), "draft" or "ngram"."""
+        if self.speculative_method is not None:
+            return self.speculative_method
+        return "draft" if self.draft_model is not None else None
 
     @property
     def device_kind(self) -> str:

@@ -42,6 +42,8 @@ def plan_key(config: EngineConfig, model_dir: Path, spec: ModelSpec, facts: Devi
         "memory_utilization": config.utilization,
         "compile": config.compile,
         "draft_model": checkpoint_identity(draft_dir) if draft_dir else None,
+        "speculative.method": config.spec_method,
+        "speculative.num_tokens": config.num_speculative_tokens,
         "device.kind": facts.kind,
         "device.name": facts.name,
         "device.total_bytes": facts.total_bytes,

@@ -34,6 +34,8 @@ class LLM:
     """A booted engine in this process. Keyword arguments are EngineConfig fields (dtype, max_model_len, ...)."""
 
     def __init__(self, model: str, *, timer: StepTimer | None = None, **engine_args):
+        if "speculative_model" in engine_args:          # the CLI's name for EngineConfig.draft_model
+            engine_args["draft_model"] = engine_args.pop("speculative_model")
         self._attach(boot(EngineConfig(model=model, **engine_args), timer))
 
     @classmethod

@@ -84,6 +84,13 @@ class MemoryPlanner:
             self.reasons.append(f"--startup-plan {self.config.startup_plan}: plans are not read")
         return self._profile(runner, weights, external, overhead, max_model_len)
 
+    # Speculative decoding with a draft model: its KV cache mirrors the target's block tables, so one block costs
+    # both models' bytes (set by the boot before planning).
+    extra_kv_block_bytes: int = 0
+
+    def _kv_block_bytes(self, runner: ModelRunner) -> int:
+        return runner.kv_block_bytes(self.config.block_size) + self.extra_kv_block_bytes
+
     @property
     def budget(self) -> int:
         """The budget this configuration allows, derived from the key's inputs (never read from a plan)."""
@@ -99,8 +106,8 @@ class MemoryPlanner:
         if old.total_bytes != self.facts.total_bytes or old.block_size != self.config.block_size:
             return (f"stored device total / block size {old.total_bytes} / {old.block_size} != "
                     f"{self.facts.total_bytes} / {self.config.block_size}")
-        if runner is not None and old.kv_block_bytes != runner.kv_block_bytes(self.config.block_size):
-            return f"stored KV block bytes {old.kv_block_bytes} != {runner.kv_block_bytes(self.config.block_size)}"
+        if runner is not None and old.kv_block_bytes != self._kv_block_bytes(runner):
+            return f"stored KV block bytes {old.kv_block_bytes} != {self._kv_block_bytes(runner)}"
         if old.runtime_overhead_bytes < overhead:
             return (f"stored runtime overhead {old.runtime_overhead_bytes} < {overhead} measured by this boot")
         return None
@@ -148,7 +155,7 @@ class MemoryPlanner:
         return MemoryLedger.size(
             budget=budget if budget is not None else int(self.config.utilization * self.facts.total_bytes),
             weights=weights, external=external, activation=activation, overhead=overhead,
-            kv_block_bytes=runner.kv_block_bytes(self.config.block_size), block_size=self.config.block_size,
+            kv_block_bytes=self._kv_block_bytes(runner), block_size=self.config.block_size,
             device=f"{self.facts.kind}:{self.facts.name}", total=self.facts.total_bytes, free=self.effective_free,
             explicit_kv=self.config.kv_cache_memory)
 
@@ -238,7 +245,9 @@ def measure_activation_peak(runner: ModelRunner, device: Device, config: EngineC
     """Peak bytes a worst-case step allocates above the weights: one forward of max_num_batched_tokens."""
     gc.collect()
     with device.track_peak() as peak:
-        runner.profile_forward(config.max_num_batched_tokens, max_model_len, config.max_num_seqs)
+        # Speculative decoding verifies K+1 rows per sequence: logits for B x (K+1) rows.
+        runner.profile_forward(config.max_num_batched_tokens, max_model_len,
+                               config.max_num_seqs * (config.num_speculative_tokens + 1))
     gc.collect()
     return int(peak["peak_bytes"])
 

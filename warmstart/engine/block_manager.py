@@ -122,6 +122,16 @@ class BlockManager:
         seq.block_table = []
         seq.num_committed_blocks = 0
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Release seq's trailing blocks beyond what num_tokens tokens need: speculative slots the target
+        rejected. Such blocks hold no verified full block, so none is registered in the prefix cache."""
+        keep = max(self.blocks_for(num_tokens), seq.num_committed_blocks)
+        while len(seq.block_table) > keep:
+            block = seq.block_table.pop()
+            self._refs[block] -= 1
+            assert self._refs[block] == 0 and block not in self._meta, f"trimmed block {block} is shared or cached"
+            self._free.appendleft(block)
+
     # -- prefix cache -----------------------------------------------------------------------------------------
     def keys(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """The chained keys of seq's first num_blocks full blocks of tokens (computed once, kept on the seq)."""

@@ -12,6 +12,7 @@ from warmstart.engine.sequence import Sequence, Status
 from warmstart.errors import UserError
 from warmstart.runner.batch import Batch, ItemResult
 from warmstart.sampling_params import SamplingParams
+from warmstart.spec import SpecStats
 
 log = logging.getLogger("warmstart.engine")
 
@@ -37,10 +38,16 @@ class RequestOutput:
 class Engine:
     def __init__(self, executor: Executor, limits: SchedulerLimits, num_blocks: int, block_size: int,
                  vocab_size: int, eos_token_ids: tuple[int, ...] = (),
-                 decode: Callable[[list[int]], str] | None = None, enable_prefix_caching: bool = True):
+                 decode: Callable[[list[int]], str] | None = None, enable_prefix_caching: bool = True,
+                 proposer=None, num_speculative_tokens: int = 0):
         self.executor, self.limits, self.vocab_size = executor, limits, vocab_size
         self.blocks = BlockManager(num_blocks, block_size, enable_caching=enable_prefix_caching)
-        self.scheduler = Scheduler(limits, self.blocks)
+        # Speculative decoding (warmstart/spec): the proposer drafts up to K tokens per decoding sequence, the
+        # runner verifies them in the step's one target forward.
+        self.proposer = proposer if num_speculative_tokens > 0 else None
+        self.scheduler = Scheduler(limits, self.blocks, num_speculative_tokens if self.proposer else 0)
+        self.spec_stats = SpecStats(self.proposer.method if self.proposer else "off",
+                                    num_speculative_tokens if self.proposer else 0)
         self.eos_token_ids = set(eos_token_ids)
         self.decode = decode
         self._ids = itertools.count()
@@ -108,11 +115,33 @@ class Engine:
                 self.executor.execute(Batch([], finished_ids))
             return []
         batch = out.to_batch(finished_ids)
+        if self.proposer is not None:
+            self.proposer.finished(finished_ids)
+            batch = self._propose(out, batch)
         try:
             results = self.executor.execute(batch)
         except Exception:
             results = self._execute_alone(batch)
-        return self._postprocess(out, results)
+        return self._postprocess(out, results, batch)
+
+    def _propose(self, out: SchedulerOutput, batch: Batch) -> Batch:
+        """Ask the proposer for each decoding sequence's drafts and append them to its item. Every item goes to
+        the proposer (a draft model mirrors prefill chunks into its own cache); a failure only turns speculation
+        off for this step."""
+        lookahead = [s.lookahead for s in out.scheduled]
+        try:
+            proposals = self.proposer.propose([s.seq for s in out.scheduled], batch.items, lookahead)
+        except Exception:
+            log.exception("speculative proposer failed; this step runs without proposals")
+            return batch
+        items = []
+        for it, k, (drafts, probs) in zip(batch.items, lookahead, proposals):
+            drafts = list(drafts)[:k]
+            if drafts:
+                it = replace(it, token_ids=it.token_ids + drafts, draft_token_ids=tuple(drafts),
+                             draft_probs=None if probs is None else probs[:len(drafts)])
+            items.append(it)
+        return Batch(items, batch.finished_seq_ids)
 
     def _execute_alone(self, batch: Batch) -> list[ItemResult]:
         """The step raised for the batch as a whole: run each item by itself, so a failure one request's input
@@ -127,14 +156,14 @@ class Engine:
                 results.append(ItemResult(None, error=f"{type(e).__name__}: {e}"))
         return results
 
-    def _postprocess(self, out: SchedulerOutput, results: list[ItemResult]) -> list[RequestOutput]:
+    def _postprocess(self, out: SchedulerOutput, results: list[ItemResult], batch: Batch) -> list[RequestOutput]:
         outputs = []
-        for sched, res in zip(out.scheduled, results):
+        for sched, res, item in zip(out.scheduled, results, batch.items):
             seq = sched.seq
             error = res.error
             if error is None:
                 try:                    # one request's stop check or detokenization failing fails it alone
-                    output = self._apply(sched.num_tokens, seq, res)
+                    output = self._apply(sched, seq, res, item)
                 except Exception as e:
                     log.exception("postprocessing request %s failed", seq.request_id)
                     error = f"postprocessing failed: {type(e).__name__}: {e}"
@@ -147,19 +176,36 @@ class Engine:
             outputs.append(RequestOutput(seq.request_id, seq, [], "", True, error))
         return outputs
 
-    def _apply(self, num_tokens: int, seq: Sequence, res: ItemResult) -> RequestOutput | None:
-        seq.num_computed_tokens += num_tokens
+    def _apply(self, sched, seq: Sequence, res: ItemResult, item) -> RequestOutput | None:
+        tokens = res.all_token_ids
+        # Accepted proposals were fed to the target this step, so their K/V are in the cache; the rejected
+        # ones' slots are released below (and would be rewritten before any read).
+        accepted = max(0, len(tokens) - 1)
+        seq.num_computed_tokens += sched.num_tokens + accepted
+        if item.draft_token_ids:
+            stats = self.spec_stats
+            stats.proposals += len(item.draft_token_ids)
+            stats.accepted += accepted
+            stats.verify_steps += 1
+            stats.committed += len(tokens)
         if res.prompt_logprobs and len(seq.prompt_logprobs) < seq.num_prompt_tokens - 1:
             seq.prompt_logprobs.extend(res.prompt_logprobs)   # a recompute after preemption adds nothing twice
-        if res.token_id is None:
+        if not tokens:
             return None
-        seq.token_ids.append(res.token_id)
-        if res.logprobs is not None:
-            seq.logprobs.append(res.logprobs)
-        reason = self._stop_reason(seq, res.token_id)
-        if reason:
-            self._retire(seq, reason)
-        return RequestOutput(seq.request_id, seq, [res.token_id], self._text_delta(seq), seq.finished)
+        lps = res.token_logprobs if res.token_logprobs is not None else [res.logprobs]
+        new = []
+        for tok, lp in zip(tokens, lps):
+            seq.token_ids.append(tok)
+            new.append(tok)
+            if lp is not None:
+                seq.logprobs.append(lp)
+            reason = self._stop_reason(seq, tok)
+            if reason:                           # a stop or max_tokens mid-proposal: nothing after it is kept
+                self._retire(seq, reason)
+                break
+        if sched.lookahead and not seq.finished:
+            self.blocks.trim(seq, len(seq.token_ids))
+        return RequestOutput(seq.request_id, seq, new, self._text_delta(seq), seq.finished)
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params

@@ -41,6 +41,7 @@ class PrefixStats:
 class Scheduled:
     seq: Sequence
     num_tokens: int
+    lookahead: int = 0        # speculative decoding: proposed tokens this decode step may verify (slots held)
 
 
 @dataclass(frozen=True)
@@ -67,8 +68,11 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, limits: SchedulerLimits, blocks: BlockManager):
+    def __init__(self, limits: SchedulerLimits, blocks: BlockManager, num_lookahead: int = 0):
         self.limits, self.blocks = limits, blocks
+        # Speculative decoding: a decoding sequence may feed up to this many proposed tokens after its last one.
+        # They take budget and KV slots for this step only; the engine trims what the target rejected.
+        self.num_lookahead = num_lookahead
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # Parallel samples of one prompt wait here until their parent has the prompt in the KV cache; then they
@@ -130,6 +134,14 @@ class Scheduler:
             scheduled.append(Scheduled(seq, n))
             budget -= n
             i += 1
+        # Speculative slots come after every running sequence has its own tokens' blocks, so they never cause a
+        # preemption; they go before admissions (a proposal is cheaper than a new prefill's first chunk).
+        for j, s in enumerate(scheduled if self.num_lookahead else ()):
+            la = self._lookahead(s.seq, s.num_tokens, budget)
+            if la:
+                self.blocks.allocate(s.seq, s.seq.num_computed_tokens + s.num_tokens + la)
+                scheduled[j] = Scheduled(s.seq, s.num_tokens, la)
+                budget -= la
         # Admit new work only in a step that did not have to preempt: memory is tight otherwise.
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs and not preempted:
             seq = self.waiting[0]
@@ -151,6 +163,22 @@ class Scheduler:
             scheduled.append(Scheduled(seq, n))
             budget -= n
         return SchedulerOutput(scheduled, preempted)
+
+    def _lookahead(self, seq: Sequence, n: int, budget: int) -> int:
+        """Proposed tokens a decoding sequence may verify this step: at most num_lookahead, never more than the
+        budget and free blocks allow (speculation never preempts), and never so many that accepting them all
+        would pass max_tokens or max_model_len. Requests with logits processors (penalties, logit_bias, min_tokens,
+        a grammar) decode one token per step: their processors depend on every token before the one they shape,
+        which verification of several rows at once does not apply."""
+        if not self.num_lookahead or n != 1 or seq.num_uncomputed != 1 or \
+                seq.num_computed_tokens < seq.num_prompt_tokens or seq.params.processes_logits:
+            return 0
+        left = min(seq.params.max_tokens - len(seq.output_token_ids),
+                   self.limits.max_model_len - len(seq.token_ids)) - 1
+        la = max(0, min(self.num_lookahead, budget, left))
+        while la and not self.blocks.can_allocate(seq, seq.num_computed_tokens + n + la):
+            la -= 1
+        return la
 
     def _match(self, seq: Sequence) -> list[int]:
         if seq.block_table or seq.params.prompt_logprobs is not None:   # a forked child already shares blocks

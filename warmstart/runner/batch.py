@@ -20,6 +20,10 @@ class BatchItem:
     # The sequence's tokens so far (prompt, then output), for logits processors (penalties, min_tokens); only set
     # when params.processes_logits. It is the sequence's own list, read during execute, not a copy.
     history: list[int] | None = None
+    # Speculative decoding: token_ids = [last token, *draft_token_ids]. The runner computes logits at every fed
+    # row and verifies the drafts (runner/verify.py); the result carries 1..len(drafts)+1 tokens.
+    draft_token_ids: tuple[int, ...] = ()
+    draft_probs: object = None     # torch [K, V] float32: the draft's (processed) distributions; None: point mass
 
 
 @dataclass(frozen=True)
@@ -46,3 +50,13 @@ class ItemResult:
     prompt_logprobs: list[TokenLogprobs] | None = None
     # Set when preparing or sampling this item raised: this request fails alone, the rest of the batch goes on.
     error: str | None = None
+    # Speculative decoding: every token this item committed (accepted drafts, then the target's own token), with
+    # their logprobs. None for a plain item (token_id alone).
+    token_ids: list[int] | None = None
+    token_logprobs: list[TokenLogprobs | None] | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        if self.token_ids is not None:
+            return self.token_ids
+        return [] if self.token_id is None else [self.token_id]

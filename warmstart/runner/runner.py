@@ -10,6 +10,7 @@ from warmstart.runner.attention import PAGED_MAX_Q, AttentionMeta, PagedAttentio
 from warmstart.runner.batch import Batch, BatchItem, ItemResult
 from warmstart.runner.logits_processors import LogitsProcessors
 from warmstart.runner.sampler import sample, sample_isolated, token_logprobs
+from warmstart.runner.verify import verify
 from warmstart.sampling_params import SamplingParams
 
 
@@ -117,8 +118,14 @@ class ModelRunner:
         rows, row = [], 0
         sample_row: dict[int, int] = {}
         prompt_rows: dict[int, tuple[int, int]] = {}
+        verify_rows: dict[int, int] = {}       # speculative items: logits at every fed row, from this row on
         for i, it in enumerate(items):
             n = len(it.token_ids)
+            if it.draft_token_ids:
+                verify_rows[i] = len(rows)
+                rows.extend(range(row, row + n))
+                row += n
+                continue
             if it.params.prompt_logprobs is not None and it.start < it.prompt_len - 1:
                 count = min(n, it.prompt_len - 1 - it.start)
                 prompt_rows[i] = (len(rows), count)
@@ -148,6 +155,9 @@ class ModelRunner:
             # Per item, so that one request's failure (a bad value that got past validation, a bug its options
             # reach) fails that request alone.
             try:
+                if i in verify_rows:
+                    results.append(self._verify_item(it, logits, verify_rows[i], logprobs))
+                    continue
                 if isinstance(token_of.get(i), Exception):
                     raise token_of[i]
                 results.append(self._item_result(it, token_of.get(i), logprobs, sample_row.get(i),
@@ -155,6 +165,15 @@ class ModelRunner:
             except Exception as e:
                 results.append(ItemResult(None, error=f"sampling failed: {type(e).__name__}: {e}"))
         return results
+
+    def _verify_item(self, it: BatchItem, logits: torch.Tensor, first: int,
+                     logprobs: torch.Tensor | None) -> ItemResult:
+        n = len(it.token_ids)
+        tokens = verify(logits[first:first + n], list(it.draft_token_ids), it.draft_probs, it.params,
+                        self._generator(it))
+        lps = [token_logprobs(logprobs[first + j], t, it.params.logprobs) if it.params.logprobs is not None
+               else None for j, t in enumerate(tokens)]
+        return ItemResult(tokens[0], lps[0], None, token_ids=tokens, token_logprobs=lps)
 
     @staticmethod
     def _item_result(it: BatchItem, token: int | None, logprobs: torch.Tensor | None, row: int | None,

@@ -92,7 +92,11 @@ def create_app(state: ServerState, on_startup: Callable[[asyncio.AbstractEventLo
 
     @app.get("/startup")
     async def startup() -> dict:
-        return state.require().booted.report.to_dict()
+        serving = state.require()
+        d = serving.booted.report.to_dict()
+        # speculative decoding: the boot's settings plus the counters so far
+        d["speculative"] = {**d.get("speculative", {}), **serving.booted.engine.spec_stats.to_dict()}
+        return d
 
     @app.get("/metrics")
     async def metrics() -> Response:

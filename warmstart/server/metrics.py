@@ -100,6 +100,16 @@ class Metrics:
         self._prefix_seen = (0, 0)                 # (queried, hit) tokens already added to the counters
         self.vllm = VllmMetrics(r, model_name)
         self._preemptions_seen = 0
+        # speculative decoding (zero when it is off)
+        self.spec_proposed = Counter("warmstart_spec_proposed_tokens", "Tokens proposed for verification",
+                                     registry=r)
+        self.spec_accepted = Counter("warmstart_spec_accepted_tokens", "Proposed tokens the target accepted",
+                                     registry=r)
+        self.spec_acceptance = Gauge("warmstart_spec_acceptance_rate", "Accepted / proposed tokens", registry=r)
+        self.spec_tokens_per_forward = Gauge("warmstart_spec_tokens_per_forward",
+                                             "Mean tokens committed per sequence per target forward that verified "
+                                             "proposals", registry=r)
+        self._spec_seen = (0, 0)
 
     def record_boot(self, report: "StartupReport", num_blocks: int) -> None:
         self.startup_seconds.set(report.wall_seconds)
@@ -139,6 +149,14 @@ class Metrics:
             self._prefix_seen = (stats.queried_tokens, stats.hit_tokens)
             self.prefix_hit_rate.set(stats.hit_rate)
         self.prefix_blocks.set(engine.blocks.num_cached)
+        spec = getattr(engine, "spec_stats", None)
+        if spec is not None and (spec.proposals, spec.accepted) != self._spec_seen:
+            proposed, accepted = self._spec_seen
+            self.spec_proposed.inc(max(0, spec.proposals - proposed))
+            self.spec_accepted.inc(max(0, spec.accepted - accepted))
+            self._spec_seen = (spec.proposals, spec.accepted)
+            self.spec_acceptance.set(spec.acceptance_rate)
+            self.spec_tokens_per_forward.set(spec.mean_tokens_per_forward)
 
     def add_prompt_tokens(self, n: int) -> None:
         self.prompt_tokens.inc(n)

@@ -29,6 +29,10 @@ class MemoryLedger:
     num_kv_blocks: int
     block_size: int
     kv_block_bytes: int
+    # Speculative decoding with a draft model: the draft's share of weights (owned + external) and of the KV cache
+    # (its cache mirrors the target's blocks, so kv_block_bytes covers both). Subsets of the lines above.
+    draft_weights_bytes: int = 0
+    draft_kv_cache_bytes: int = 0
 
     @property
     def non_kv_bytes(self) -> int:
@@ -66,7 +70,9 @@ class MemoryLedger:
 
     @classmethod
     def from_dict(cls, d: dict) -> "MemoryLedger":
-        return cls(**{k: int(d[k]) if k != "device" else str(d[k]) for k in cls.__dataclass_fields__})
+        optional = {"draft_weights_bytes", "draft_kv_cache_bytes"}      # absent from plans written before them
+        return cls(**{k: str(d[k]) if k == "device" else int(d.get(k, 0) if k in optional else d[k])
+                      for k in cls.__dataclass_fields__})
 
     def table(self) -> str:
         """The one table the boot logs: bytes per category, then blocks, then token capacity."""
@@ -75,6 +81,9 @@ class MemoryLedger:
                 ("external weights", self.external_weights_bytes), ("activation peak", self.activation_peak_bytes),
                 ("runtime overhead", self.runtime_overhead_bytes), ("kv cache", self.kv_cache_bytes),
                 ("headroom", self.headroom_bytes)]
+        if self.draft_weights_bytes or self.draft_kv_cache_bytes:
+            rows[3:3] = [("  draft weights", self.draft_weights_bytes)]
+            rows[-1:-1] = [("  draft kv cache", self.draft_kv_cache_bytes)]
         lines = [f"memory on {self.device} (total {format_bytes(self.total_bytes)}, "
                  f"free at boot {format_bytes(self.free_bytes_at_boot)}):"]
         lines += [f"  {name:<17} {n:>15,d} B  {format_bytes(n):>11}" for name, n in rows]
