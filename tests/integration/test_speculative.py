@@ -226,3 +226,16 @@ def test_prefix_cache_holds_only_verified_blocks(target, other, plain, tmp_path)
     assert sum(s.num_cached_tokens for s in got) > 0
     nocache = LLM(str(target), enable_prefix_caching=False, **ARGS)
     assert out(got) == out(run(nocache, again, params))
+
+
+def test_logits_processors_turn_speculation_off_for_their_request_only(target, other, plain):
+    """Penalties and bias depend on every token before the one they shape, so a request that uses them decodes one
+    token per step (and equals the plain engine), while a plain request in the same batch still speculates."""
+    processed = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, presence_penalty=1.5,
+                               frequency_penalty=0.5, logit_bias={7: 3.0})
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    want = run(plain, PROMPTS[:2], [processed, greedy], ids="lp")
+    llm = spec_llm("self", target, other)
+    got = run(llm, PROMPTS[:2], [processed, greedy], ids="lp")
+    assert out(got) == out(want)
+    assert llm.booted.engine.spec_stats.accepted > 0            # the plain request did speculate
