@@ -86,13 +86,45 @@ def resolve_dtype(requested: str, facts: DeviceFacts, spec: ModelSpec | None = N
     return DTYPES[choice.dtype]
 
 
-def boot(config: EngineConfig, timer: StepTimer | None = None) -> Booted:
-    timer = timer or StepTimer.starting_now()
+@dataclass
+class Shard:
+    """One rank's boot up to its allocated KV cache (a single-device boot is rank 0 of 1)."""
+    model_dir: Path
+    spec: ModelSpec
+    tokenizer: Tokenizer
+    device: object
+    facts: DeviceFacts
+    dtype: torch.dtype
+    kv_dtype: torch.dtype
+    max_model_len: int
+    planner: MemoryPlanner
+    runner: ModelRunner
+    own_ledger: MemoryLedger            # what this rank measured (saved in its plan)
+    ledger: MemoryLedger                # what it allocated (under TP: the minimum over ranks)
+    loaded_tensors: dict
+    weights_outcome: WeightsOutcome
+    thread_settings: object
+    group: object = None                # parallel.launcher.RankGroup under TP
+    blocks_per_rank: list | None = None
+
+
+def boot_shard(config: EngineConfig, timer: StepTimer, group=None) -> Shard:
+    """config -> tokenizer -> weights -> memory -> KV allocation, for one rank. Under TP (world_size > 1) rank 0
+    launches the other ranks here (group None) and every rank binds its shard; the KV block count is agreed."""
+    tp = config.world_size > 1
     with timer.step("config"):
-        thread_settings = threads.configure(config.threads)
+        if tp:
+            from warmstart.parallel.launcher import threads_per_rank
+            thread_settings = threads.configure(threads_per_rank(config))
+        else:
+            thread_settings = threads.configure(config.threads)
         model_dir = resolve_model_dir(config.model, config.cache_dir)
         spec = ModelSpec.from_dir(model_dir)
-        device = get_device(config.device_kind, _device_index(config.device))
+        if tp:
+            from warmstart.parallel.sharding import check_divisible
+            check_divisible(spec, config.world_size)
+        device_index = config.rank if tp and config.device_kind == "cuda" else _device_index(config.device)
+        device = get_device(config.device_kind, device_index)
         facts = device.facts()
         free_at_boot = device.free_bytes()
         dtype = resolve_dtype(config.dtype, facts, spec, config.cache_dir)
@@ -102,29 +134,110 @@ def boot(config: EngineConfig, timer: StepTimer | None = None) -> Booted:
         # The plan key is built here, from the user's config and device facts, before anything is derived.
         planner = MemoryPlanner(config, device, facts, plan_key(config, model_dir, spec, facts),
                                 PlanStore(config.cache_dir / "plans"), free_at_boot)
+    if tp and group is None:
+        with timer.step("ranks"):
+            from warmstart.parallel import launcher
+            group = launcher.start(config)
     with timer.step("tokenizer"):
         tokenizer = Tokenizer(model_dir)
         # Runtime overhead: what the process holds before any weight arrives (interpreter, torch, tokenizer).
         overhead = round_up(device.process_bytes(), OVERHEAD_QUANTUM) if device.kind == "cpu" else 0
     with timer.step("weights"):
-        loaded = load_weights(model_dir, dtype, device.torch_device(), role="target", config=config)
+        # Under TP every rank loads from disk and keeps its shard (a per-rank weight daemon is not built yet).
+        loaded = load_weights(model_dir, dtype, device.torch_device(), role="target",
+                              config=config.replace(load_format="disk") if tp else config)
+        tensors, owned = loaded.tensors, loaded.owned_bytes
+        build_spec = spec
+        if tp:
+            from warmstart.parallel.sharding import local_spec, make_row_parallel, shard_tensors
+            from warmstart.weights.loader import weights_nbytes
+            tensors = shard_tensors(tensors, spec, config.rank, config.world_size)
+            owned = weights_nbytes(tensors)
+            build_spec = local_spec(spec, config.world_size)
         with torch.device("meta"):
-            model = build_model(spec)
-        bind_weights(model, loaded.tensors, model.tied_weights())
+            model = build_model(build_spec)
+        if tp:
+            make_row_parallel(model)
+        bind_weights(model, tensors, model.tied_weights())
         materialize_buffers(model, device.torch_device())
         model.eval()
         weights_outcome = WeightsOutcome(loaded.source, loaded.fallback_reason, tuple(loaded.charges.entries()))
-        runner = ModelRunner(model, device.torch_device(), kv_dtype)
+        runner = _runner_class(config)(model, device.torch_device(), kv_dtype)
+        if tp:
+            runner.group = group
     with timer.step("memory profile"):
-        ledger = planner.plan(runner, loaded.owned_bytes, loaded.charges.total_bytes, overhead, max_model_len)
+        if tp:
+            # Each rank profiles its own shard, alone: the all-reduces are skipped (a plan may hit on one rank
+            # and miss on another, and an in-place all-reduce allocates nothing the profile must count).
+            from warmstart.parallel.sharding import no_collectives
+            with no_collectives():
+                own = planner.plan(runner, owned, loaded.charges.total_bytes, overhead, max_model_len)
+        else:
+            own = planner.plan(runner, owned, loaded.charges.total_bytes, overhead, max_model_len)
+    ledger, blocks = own, None
+    if tp:
+        # Waits for the slowest rank: every rank's block tables come from rank 0's scheduler.
+        with timer.step("rank agreement"):
+            from warmstart.parallel.launcher import agree_blocks
+            ledger, blocks = agree_blocks(group, own)
     with timer.step("kv allocation"):
         _check_fits(ledger, max_model_len, config)
         runner.allocate_kv(ledger.num_kv_blocks, ledger.block_size)
+    return Shard(model_dir, spec, tokenizer, device, facts, dtype, kv_dtype, max_model_len, planner, runner, own,
+                 ledger, tensors, weights_outcome, thread_settings, group, blocks)
+
+
+def _runner_class(config: EngineConfig) -> type[ModelRunner]:
+    if config.world_size == 1:
+        return ModelRunner
+    from warmstart.parallel.runner import DistributedRunner, ShardRunner
+    return DistributedRunner if config.rank == 0 else ShardRunner
+
+
+def finish_shard(shard: Shard, timer: StepTimer) -> StartupReport:
+    """After warm-up: verify or save this rank's plan and build its report."""
+    resident = ResidentCheck.measure(shard.device, shard.own_ledger)
+    plan = shard.planner.finish(shard.runner, shard.own_ledger, shard.max_model_len, resident)
+    log.info("%s\n  %s", shard.ledger.table(), resident.describe())
+    extra = {"resident": resident.to_dict(), "threads": shard.thread_settings.to_dict(),
+             "dtype": str(shard.dtype).removeprefix("torch."),
+             "quantization": _quantization_summary(shard.loaded_tensors, shard.planner.config.quantization)}
+    return StartupReport(timer.wall_seconds, timer.to_list(), plan, shard.ledger, shard.weights_outcome,
+                         extra=extra)
+
+
+def boot(config: EngineConfig, timer: StepTimer | None = None) -> Booted:
+    timer = timer or StepTimer.starting_now()
+    try:
+        shard = boot_shard(config, timer)
+    except BaseException:
+        _close_group(config)
+        raise
+    try:
+        return _boot_engine(config, timer, shard)
+    except BaseException:
+        _close_group(config)
+        raise
+
+
+def _close_group(config: EngineConfig) -> None:
+    if config.world_size > 1:
+        from warmstart.parallel import launcher
+        group = launcher.current()
+        if group is not None:
+            group.close()
+
+
+def _boot_engine(config: EngineConfig, timer: StepTimer, shard: Shard) -> Booted:
+    runner, ledger, spec, max_model_len = shard.runner, shard.ledger, shard.spec, shard.max_model_len
     engine = Engine(runner, SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, max_model_len),
-                    ledger.num_kv_blocks, ledger.block_size, spec.vocab_size, spec.eos_token_ids, tokenizer.decode,
-                    enable_prefix_caching=config.enable_prefix_caching)
+                    ledger.num_kv_blocks, ledger.block_size, spec.vocab_size, spec.eos_token_ids,
+                    shard.tokenizer.decode, enable_prefix_caching=config.enable_prefix_caching)
     with timer.step("prefix restore"):
-        prefix = PrefixStore.for_boot(config, model_dir, spec, facts, dtype, kv_dtype)
+        # Under TP the cache is split over ranks and the store holds one process's blocks: not persisted (the
+        # in-memory prefix cache works as on one device).
+        prefix = None if config.world_size > 1 else PrefixStore.for_boot(config, shard.model_dir, spec, shard.facts,
+                                                                          shard.dtype, shard.kv_dtype)
         restored = prefix.restore(runner, engine.blocks) if prefix else PrefixOutcome("off")
     with timer.step("warm-up"):
         compile_info = None
@@ -132,21 +245,28 @@ def boot(config: EngineConfig, timer: StepTimer | None = None) -> Booted:
             # After profiling: Dynamo skipped frames it first saw under the peak tracker (a torch mode), and the
             # eager peak bounds the compiled one (fusion only removes intermediates).
             from warmstart.runner.compile import compile_model
-            compile_info = compile_model(model, config.cache_dir / "compile" / compile_key(config, spec, facts))
+            compile_info = compile_model(runner.model,
+                                         config.cache_dir / "compile" / compile_key(config, spec, shard.facts))
         _warm_up(engine)
     with timer.step("ready"):
-        resident = ResidentCheck.measure(device, ledger)
-        plan = planner.finish(runner, ledger, max_model_len, resident)
-        log.info("%s\n  %s", ledger.table(), resident.describe())
-    extra = {"resident": resident.to_dict(), "threads": thread_settings.to_dict(),
-             "dtype": str(dtype).removeprefix("torch."),
-             "quantization": _quantization_summary(loaded.tensors, config.quantization),
-             "prefix_restore": restored.to_dict()}
+        if shard.group is not None:
+            shard.group.send(("report",))
+        report = finish_shard(shard, timer)
+        if shard.group is not None:
+            ranks = shard.group.all_gather(report.to_dict())
+            report.extra["tensor_parallel"] = {"world_size": config.world_size,
+                                               "kv_blocks_per_rank": shard.blocks_per_rank,
+                                               "kv_blocks": ledger.num_kv_blocks,
+                                               "worker_pids": [p.pid for p in shard.group.procs.values()],
+                                               "ranks": ranks}
+    report.extra["prefix_restore"] = restored.to_dict()
     if compile_info:
-        extra["compile"] = compile_info.snapshot()
-    report = StartupReport(timer.wall_seconds, timer.to_list(), plan, ledger, weights_outcome, extra=extra)
+        report.extra["compile"] = compile_info.snapshot()
+    report = StartupReport(timer.wall_seconds, timer.to_list(), report.plan, report.memory, report.weights,
+                           extra=report.extra)
     log.info("startup steps:\n%s", timer.table())
-    return Booted(config, model_dir, spec, tokenizer, runner, engine, ledger, report, max_model_len, prefix)
+    return Booted(config, shard.model_dir, spec, shard.tokenizer, runner, engine, ledger, report, max_model_len,
+                  prefix)
 
 
 def _quantization_summary(tensors: dict[str, torch.Tensor], requested: str) -> dict:

@@ -77,9 +77,13 @@ class EngineConfig:
     # prefix cache: reuse cached full KV blocks across requests, and keep the hottest across a restart
     enable_prefix_caching: bool = True
     prefix_cache_persist: int = 64 * 2**20    # bytes of cached KV written at graceful shutdown; 0 disables save+restore
-    # parallelism (single process today; part of every key so that plans never cross ranks)
+    # tensor parallelism (warmstart/parallel/): world_size is --tensor-parallel-size; rank and world size are part
+    # of every key so that plans never cross ranks. Under TP, `threads` is per rank (--threads-per-rank).
     rank: int = 0
     world_size: int = 1
+    master_addr: str = "127.0.0.1"            # rank 0's rendezvous address (torchrun's MASTER_ADDR)
+    master_port: int = 0                      # 0: a free port, chosen by rank 0
+    tp_timeout: float = 600.0                 # seconds a collective may wait for a peer before it fails
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cache_dir", Path(self.cache_dir).expanduser())
@@ -117,6 +121,17 @@ class EngineConfig:
         _check(self.prefix_cache_persist >= 0, f"--prefix-cache-persist must be a size of 0 or more (0 disables "
                f"it), got {self.prefix_cache_persist}.")
         _check(0 <= self.rank < self.world_size, f"rank {self.rank} is outside world size {self.world_size}.")
+        _check(1 <= self.world_size <= 1024, f"--tensor-parallel-size must be between 1 and 1024, got "
+               f"{self.world_size}.")
+        if self.world_size > 1:
+            _check(not self.compile, "--compile is not supported with --tensor-parallel-size > 1 yet; drop one.")
+            _check(self.quantization in ("auto", "none"), f"--quantization {self.quantization} is not supported "
+                   "with --tensor-parallel-size > 1: tensor parallelism runs float weights only. Use "
+                   "--quantization none.")
+            _check(self.load_format != "daemon", "--load-format daemon is not supported with "
+                   "--tensor-parallel-size > 1 yet (a per-rank weight daemon is not built); every rank loads its "
+                   "shard from disk. Use --load-format auto or disk.")
+            _check(0 <= self.master_port <= 65535, f"--master-port must be a TCP port, got {self.master_port}.")
 
     @property
     def device_kind(self) -> str:

@@ -1,0 +1,42 @@
+"""The runners of a tensor-parallel engine: rank 0's broadcasts each batch, the others only run the forward."""
+from __future__ import annotations
+
+import torch
+
+from warmstart.parallel.launcher import RankFailure, RankGroup
+from warmstart.runner.attention import PagedAttentionBackend
+from warmstart.runner.batch import Batch, ItemResult
+from warmstart.runner.runner import ModelRunner
+
+
+class DistributedRunner(ModelRunner):
+    """Rank 0: the engine's runner. execute() sends the batch to every rank, then runs its own shard and samples;
+    the other ranks return nothing (their logits are never computed)."""
+    group: RankGroup
+
+    def execute(self, batch: Batch) -> list[ItemResult]:
+        if self.group.failure:
+            raise RankFailure(self.group.failure)
+        self.group.send(("batch", batch))
+        try:
+            return super().execute(batch)
+        except RankFailure:
+            raise
+        except RuntimeError as e:          # a collective inside the forward failed: a rank is gone
+            if "gloo" in str(e).lower() or "nccl" in str(e).lower() or "connection" in str(e).lower():
+                raise self.group._failed(e) from None
+            raise
+
+
+class ShardRunner(ModelRunner):
+    """Ranks 1..N-1: the forward only (KV writes and the row-parallel all-reduces)."""
+
+    @torch.inference_mode()
+    def execute(self, batch: Batch) -> list[ItemResult]:
+        if not batch.items:
+            return []
+        input_ids, positions, meta = self._prepare(batch.items)
+        attn = PagedAttentionBackend(self.kv, self.block_size)
+        attn.meta = meta
+        self.forward(input_ids, positions, attn)
+        return []
