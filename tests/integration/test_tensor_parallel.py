@@ -108,6 +108,12 @@ def test_per_rank_plans_miss_hit_and_min_blocks(tmp_path):
     assert all(r["steps"] for r in tp["ranks"])                           # each rank's own steps and ledger
     b = probe(tmp_path / "c", model, memory_utilization=0.02)["report"]
     assert [p["status"] for p in plans(b)] == ["hit", "hit"], plans(b)
+    assert "memory profile" in [s["name"] for s in b["tensor_parallel"]["ranks"][1]["steps"]]
+    r = subprocess.run([sys.executable, "-m", "warmstart", "-q", "plan", "explain", str(model), "-tp", "2",
+                        "--max-model-len", "128", "--memory-utilization", "0.02", "--cache-dir", str(tmp_path / "c")],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0 and r.stdout.count(": hit: ") == 2, r.stdout + r.stderr[-2000:]
     c = probe(tmp_path / "c", model, memory_utilization=0.03)
     for p in plans(c["report"]):
         assert p["status"] == "miss" and "memory_utilization 0.02 -> 0.03" in p["reasons"], p
