@@ -143,16 +143,16 @@ def boot_shard(config: EngineConfig, timer: StepTimer, group=None) -> Shard:
         # Runtime overhead: what the process holds before any weight arrives (interpreter, torch, tokenizer).
         overhead = round_up(device.process_bytes(), OVERHEAD_QUANTUM) if device.kind == "cpu" else 0
     with timer.step("weights"):
-        # Under TP every rank loads from disk and keeps its shard (a per-rank weight daemon is not built yet).
-        loaded = load_weights(model_dir, dtype, device.torch_device(), role="target",
-                              config=config.replace(load_format="disk") if tp else config)
+        loaded = load_weights(model_dir, dtype, device.torch_device(), role="target", config=config)
         tensors, owned = loaded.tensors, loaded.owned_bytes
         build_spec = spec
         if tp:
+            # A rank's daemon (its own socket) serves its shard already; a disk load is cut here, the same way.
             from warmstart.parallel.sharding import local_spec, make_row_parallel, shard_tensors
             from warmstart.weights.loader import weights_nbytes
-            tensors = shard_tensors(tensors, spec, config.rank, config.world_size)
-            owned = weights_nbytes(tensors)
+            if loaded.source == "disk":
+                tensors = shard_tensors(tensors, spec, config.rank, config.world_size)
+                owned = weights_nbytes(tensors)
             build_spec = local_spec(spec, config.world_size)
         with torch.device("meta"):
             model = build_model(build_spec)

@@ -128,9 +128,6 @@ class EngineConfig:
             _check(self.quantization in ("auto", "none"), f"--quantization {self.quantization} is not supported "
                    "with --tensor-parallel-size > 1: tensor parallelism runs float weights only. Use "
                    "--quantization none.")
-            _check(self.load_format != "daemon", "--load-format daemon is not supported with "
-                   "--tensor-parallel-size > 1 yet (a per-rank weight daemon is not built); every rank loads its "
-                   "shard from disk. Use --load-format auto or disk.")
             _check(0 <= self.master_port <= 65535, f"--master-port must be a TCP port, got {self.master_port}.")
 
     @property

@@ -97,7 +97,7 @@ def _explain_one(config, model_dir, spec) -> int:
     facts = device.facts()
     key = plan_key(config, model_dir, spec, facts)
     planner = MemoryPlanner(config, device, facts, key, PlanStore(config.cache_dir / "plans"), device.free_bytes())
-    planner.external, note = _daemon_charge(config, model_dir, device, facts) if config.world_size == 1 else (0, None)
+    planner.external, note = _daemon_charge(config, model_dir, device, facts)
     if note:
         print(note)
     found = planner.store.lookup(key, planner.effective_free, planner.tolerance, device.kind)
@@ -127,7 +127,8 @@ def _daemon_charge(config, model_dir, device, facts) -> tuple[int, str | None]:
     from warmstart.weights import client
     from warmstart.weights.manifest import build_cache_key
     from warmstart.weights.transport import device_id
-    path = client.resolve_socket(config.weight_socket, device.torch_device(), "target")
+    path = client.resolve_socket(config.weight_socket, device.torch_device(), "target", config.rank,
+                                 config.world_size)
     if not os.path.lexists(path):
         return 0, None
     try:

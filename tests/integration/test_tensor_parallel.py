@@ -181,3 +181,44 @@ def test_sigterm_and_sigkill_of_rank0_leave_no_ranks(tmp_path):
     server.proc.wait()
     server.terminate()
     assert _wait_gone(pids, 10) == []
+
+
+def test_per_rank_daemons_attach_and_one_rank_falls_back(tmp_path):
+    import shutil
+    from tests.integration.test_weight_daemon import short_dir
+    model = write_checkpoint(tmp_path / "m", "qwen2")
+    sock_dir = short_dir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    sup = subprocess.Popen([sys.executable, "-m", "warmstart", "-q", "weights", "serve", str(model), "--device", "cpu",
+                            "--dtype", "float32", "--socket-dir", str(sock_dir), "--tensor-parallel-size", "2"],
+                           stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    ready = {}
+    try:
+        while len(ready) < 2:
+            line = sup.stderr.readline()
+            assert line, f"daemons exited ({sup.poll()})"
+            if line.startswith("READY"):
+                sock = line.split("socket=")[1].split()[0]
+                ready[sock] = int(line.split("pid=")[1].split()[0])
+        socks = sorted(ready)
+        assert [Path(s).name for s in socks] == ["cpu-target.tp2r0.sock", "cpu-target.tp2r1.sock"]
+        cfg = dict(dtype="float32", memory_utilization=0.02, weight_socket=str(sock_dir / "cpu-target.sock"))
+        attached = probe(tmp_path / "c", model, load_format="daemon", **cfg)["report"]
+        ranks = attached["tensor_parallel"]["ranks"]
+        assert [r["weights"]["source"] for r in ranks] == ["daemon-zero-copy"] * 2
+        for r, sock in zip(ranks, socks):                  # each rank charged by its own socket, and only by it
+            assert [(c["socket"], c["role"]) for c in r["weights"]["charges"]] == [(sock, "target")], r["weights"]
+            assert r["memory"]["weights_bytes"] == 0 and r["memory"]["external_weights_bytes"] > 0
+        os.kill(ready[socks[1]], signal.SIGTERM)           # rank 1's daemon stops; rank 0's keeps serving
+        assert _wait_gone([ready[socks[1]]]) == []
+        mixed = probe(tmp_path / "c", model, load_format="daemon", **cfg)["report"]
+        ranks = mixed["tensor_parallel"]["ranks"]
+        assert ranks[0]["weights"]["source"] == "daemon-zero-copy"
+        assert ranks[1]["weights"]["source"] == "disk" and ranks[1]["weights"]["fallback_reason"]
+        assert ranks[1]["weights"]["charges"] == [] and ranks[1]["memory"]["external_weights_bytes"] == 0
+    finally:
+        sup.terminate()
+        sup.wait(30)
+        shutil.rmtree(sock_dir, ignore_errors=True)
+    disk = probe(tmp_path / "c2", model, load_format="disk", **cfg)["report"]
+    assert mixed["memory"]["num_kv_blocks"] == disk["memory"]["num_kv_blocks"] == attached["memory"]["num_kv_blocks"]

@@ -76,7 +76,8 @@ class WeightDaemon:
         self.model_dir, self.dtype, self.device, self.role = model_dir, dtype, torch.device(device), role
         self.socket_dir = P.ensure_socket_dir(socket_dir)
         self.device_id = T.device_id(self.device)
-        self.socket_path = P.socket_path(self.socket_dir, self.device_id, role)
+        self.rank, self.world_size = rank, world_size
+        self.socket_path = P.socket_path(self.socket_dir, self.device_id, role, rank, world_size)
         self.key: CacheKey = build_cache_key(model_dir, dtype, role, self.device_id, rank=rank,
                                              world_size=world_size, quantization=quantization)
         self._lock_fd = -1
@@ -103,6 +104,13 @@ class WeightDaemon:
         # Load on the CPU even for a CUDA daemon: load_tensors converts dtype on the CPU before moving anyway, so the
         # bytes are the disk path's, and the GPU never holds the weights twice while they are packed.
         tensors = load_tensors(self.model_dir, self.dtype, "cpu", progress=False, quantization=self.quantization)
+        if self.world_size > 1:
+            # This rank's shard, cut exactly as the engine's disk path cuts it (parallel/sharding.py).
+            from warmstart.models.spec import ModelSpec
+            from warmstart.parallel.sharding import check_divisible, shard_tensors
+            spec = ModelSpec.from_dir(self.model_dir)
+            check_divisible(spec, self.world_size)
+            tensors = shard_tensors(tensors, spec, self.rank, self.world_size)
         weight_bytes = weights_nbytes(tensors)
         if self.device.type == "cpu":
             self._fds, sizes, entries = T.build_memfd_regions(tensors, self.key.role)

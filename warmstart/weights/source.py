@@ -48,7 +48,7 @@ def load_weights(model_dir: Path, dtype: torch.dtype, device: torch.device, *, r
     if fmt == "disk":
         return _from_disk(model_dir, dtype, device, charges, _quantization(config))
     from warmstart.weights import client     # only a boot that may use a daemon pays for its imports
-    path = client.resolve_socket(config.weight_socket, torch.device(device), role)
+    path = client.resolve_socket(config.weight_socket, torch.device(device), role, config.rank, config.world_size)
     if fmt == "auto" and not os.path.lexists(path):
         return _from_disk(model_dir, dtype, device, charges, config.quantization)
     return _from_daemon(model_dir, dtype, torch.device(device), role, config, charges, path)
