@@ -222,3 +222,23 @@ def test_per_rank_daemons_attach_and_one_rank_falls_back(tmp_path):
         shutil.rmtree(sock_dir, ignore_errors=True)
     disk = probe(tmp_path / "c2", model, load_format="disk", **cfg)["report"]
     assert mixed["memory"]["num_kv_blocks"] == disk["memory"]["num_kv_blocks"] == attached["memory"]["num_kv_blocks"]
+
+
+def test_two_process_groups_on_one_host_with_master_ports(tmp_path):
+    """Two TP=2 engines side by side, each rendezvousing on its own --master-addr/--master-port (torchrun's
+    MASTER_ADDR/MASTER_PORT, which their ranks receive): neither disturbs the other."""
+    from tests.integration.server_process import free_port
+    model = write_checkpoint(tmp_path / "m", "llama")
+    ports = [free_port(), free_port()]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen([sys.executable, "-m", "warmstart", "generate", str(model), "--prompt", "Hello world",
+                               "--max-tokens", "8", "-tp", "2", "--threads-per-rank", "1", "--master-addr",
+                               "127.0.0.1", "--master-port", str(port), "--max-model-len", "128",
+                               "--kv-cache-memory", "4MiB", "--cache-dir", str(tmp_path / f"c{i}")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+             for i, port in enumerate(ports)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err), port in zip(procs, outs, ports):
+        assert p.returncode == 0, err[-3000:]
+        assert f"rendezvous 127.0.0.1:{port}" in err
+    assert outs[0][0] == outs[1][0]
