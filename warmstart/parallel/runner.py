@@ -22,8 +22,12 @@ class DistributedRunner(ModelRunner):
             return super().execute(batch)
         except RankFailure:
             raise
-        except RuntimeError as e:          # a collective inside the forward failed: a rank is gone
-            if "gloo" in str(e).lower() or "nccl" in str(e).lower() or "connection" in str(e).lower():
+        except RuntimeError as e:
+            # A collective inside the forward failed (torch raises DistBackendError, a RuntimeError), or a rank
+            # died meanwhile: either way this engine cannot go on. Anything else is the ordinary error it was.
+            import torch.distributed as dist
+            self.group._poll()
+            if self.group.failure or isinstance(e, dist.DistBackendError):
                 raise self.group._failed(e) from None
             raise
 
