@@ -112,6 +112,10 @@ def boot_shard(config: EngineConfig, timer: StepTimer, group=None) -> Shard:
     """config -> tokenizer -> weights -> memory -> KV allocation, for one rank. Under TP (world_size > 1) rank 0
     launches the other ranks here (group None) and every rank binds its shard; the KV block count is agreed."""
     tp = config.world_size > 1
+    if tp and group is None and config.rank != 0:
+        raise UserError(f"rank {config.rank} of {config.world_size} is started by rank 0 (`--tensor-parallel-size "
+                        f"{config.world_size}` launches every rank), or by hand as `python -m "
+                        "warmstart.parallel.worker` with torchrun's environment; not by booting it directly.")
     with timer.step("config"):
         if tp:
             from warmstart.parallel.launcher import threads_per_rank
