@@ -91,8 +91,7 @@ def test_quantized_load_is_refused():
 
 def test_config_refuses_unsupported_combinations():
     from warmstart.config import EngineConfig
-    for kw, words in (({"compile": True}, "--compile"), ({"quantization": "int4"}, "float weights only"),
-                      ({"load_format": "daemon"}, "per-rank weight daemon")):
+    for kw, words in (({"compile": True}, "--compile"), ({"quantization": "int4"}, "float weights only")):
         with pytest.raises(UserError, match=words):
             EngineConfig(model="m", world_size=2, **kw)
     assert dataclasses.replace(EngineConfig(model="m", world_size=2)).world_size == 2
