@@ -167,6 +167,8 @@ def main() -> int:
     threads = args.threads or available_cpus()
     os.environ["OMP_NUM_THREADS"] = str(threads)          # every worker, warmstart and transformers alike
     gguf_path = str(default_model_gguf())
+    flags = open("/proc/cpuinfo").read()
+    native_bf16 = "avx512_bf16" in flags or "amx_bf16" in flags
     have_llama = PEERS_PY.exists() and subprocess.run([str(PEERS_PY), "-c", "import llama_cpp"],
                                                       capture_output=True).returncode == 0
     if not have_llama:
@@ -187,17 +189,23 @@ def main() -> int:
             rows[name].append(spawn(kind, {"batch": 1, "ctx": 40, "n": n, **extra}))
     res["batch1"] = {k: {"tok_s": med([r and r["tok_s"] for r in v]),
                          "weight_bytes": next((r.get("weight_bytes") for r in v if r), None)} for k, v in rows.items()}
+    print("batch 1:", json.dumps(res["batch1"]), flush=True)
 
     # batch 32: each in its fastest dtype (both are tried)
     b32 = {"ws fp32": ("ws", {"dtype": "float32", "quantization": "none"}),
            "ws bf16": ("ws", {"dtype": "bfloat16", "quantization": "none"}),
            "ws gguf-native": ("ws", {"dtype": "float32", "quantization": "auto"}),
-           "hf fp32": ("hf", {"dtype": "float32"}), "hf bf16": ("hf", {"dtype": "bfloat16"})}
+           "hf fp32": ("hf", {"dtype": "float32"})}
+    if native_bf16:
+        b32["hf bf16"] = ("hf", {"dtype": "bfloat16"})
+    else:
+        print("transformers bf16: skipped, this CPU has no avx512_bf16/amx (bf16 is emulated: its slowest dtype)")
     rows = {k: [] for k in b32}
     for _ in range(rounds):
         for name, (kind, extra) in b32.items():
             rows[name].append(spawn(kind, {"batch": 32, "ctx": 40, "n": n, **extra}))
     res["batch32"] = {k: med([r and r["tok_s"] for r in v]) for k, v in rows.items()}
+    print("batch 32:", json.dumps(res["batch32"]), flush=True)
 
     # context scaling: batch 8 at 128 vs 2048 tokens of context, the default (native) mode
     ctx = {}
@@ -205,6 +213,7 @@ def main() -> int:
         ctx[c] = med([(spawn("ws", {"batch": 8, "ctx": c, "n": min(n, 64), "dtype": "float32",
                                     "quantization": "auto"}) or {}).get("tok_s") for _ in range(rounds)])
     res["context"] = ctx
+    print("context:", json.dumps(ctx), flush=True)
 
     # under load: busy loops on every core vs quiet; passive (default) vs active OpenMP wait
     load = {}
@@ -219,6 +228,7 @@ def main() -> int:
             lb = boot_seconds(env)
         load[policy] = {"quiet_tok_s": q and q["tok_s"], "loaded_tok_s": l and l["tok_s"], "quiet_boot_s": qb,
                         "loaded_boot_s": lb}
+        print(f"under load, {policy}:", json.dumps(load[policy]), flush=True)
     res["under_load"] = load
     res["bandwidth_gb_s"] = (spawn("bandwidth", {}) or {}).get("read_gb_s")
     report(res)
