@@ -150,9 +150,10 @@ def test_a_signal_during_boot_exits_promptly_and_cleanly(ckpt, tmp_path, sig, wh
     srv.terminate()
     assert time.monotonic() - t0 < 10
     assert "warmstart ready" not in log                   # it really was still booting
-    # SIGTERM exits 0. Ctrl-C exits 130, or, if it lands while the interpreter itself is still starting (before
-    # any warmstart code runs), by SIGINT (-2): both are what a shell reports for Ctrl-C. Never SIGABRT (-6).
-    assert rc == 0 if sig == signal.SIGTERM else rc in (130, -signal.SIGINT), (rc, log[-3000:])
+    # SIGTERM exits 0. Ctrl-C exits 0 once the server handles it, 130 during imports, or by SIGINT (-2) if it lands
+    # while the interpreter itself is still starting: all clean. Never SIGABRT (-6) or another signal.
+    allowed = (0,) if sig == signal.SIGTERM else (0, 130, -signal.SIGINT)
+    assert rc in allowed, (rc, log[-3000:])
     assert "Traceback" not in log and "Aborted" not in log
 
 
