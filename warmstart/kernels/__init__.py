@@ -16,11 +16,13 @@ import os
 import platform
 
 import torch
+import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
 __all__ = ["paged_attention", "paged_attention_torch", "has_native", "NATIVE_UNAVAILABLE_REASON", "qlinear",
-           "has_qlinear", "QLINEAR_UNAVAILABLE_REASON"]
+           "has_qlinear", "QLINEAR_UNAVAILABLE_REASON", "add_rms_norm", "rotary_", "write_kv", "silu_mul",
+           "has_fused", "FUSED_UNAVAILABLE_REASON"]
 
 _REQUIRED_X86_FLAGS = ("avx2", "fma", "f16c")   # the kernel is compiled for x86-64-v3's vector ISA (see setup.py)
 
@@ -129,3 +131,59 @@ def qlinear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     scales and mins float32 [N, K/32]; int8: qweight int8 [N, K], scales float32 [N, K/32]. Activations are
     quantized to int8 per block of 32 inside the kernel."""
     return _qlinear.qlinear(x, qweight, scales, mins)
+
+
+# ------------------------------------------------------------------------------------------------ fused glue
+# The decode step's small ops, one call each (csrc/fused.cpp): at batch 1 their dispatch cost rivals the matmuls.
+# Each function takes the compiled path for float32 CPU tensors and a pure-torch path with the same semantics
+# otherwise (bf16/fp16 activations, CUDA, torch.compile tracing, no compiler at install time).
+_fused, FUSED_UNAVAILABLE_REASON = _load_native("_fused")
+
+
+def has_fused() -> bool:
+    return _fused is not None
+
+
+def _use_fused(*tensors: torch.Tensor) -> bool:
+    return (_fused is not None and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+            and not torch.compiler.is_compiling())
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rmsnorm(h) * weight, h) where h = x + residual, or h = x without a residual. x, residual [T, D]; the
+    compiled path updates `residual` in place. Normalisation is in float32 (as transformers does), cast back."""
+    if _use_fused(x, weight) and (residual is None or _use_fused(residual)) and x.dim() == 2 and x.stride(1) == 1 \
+            and (residual is None or residual.stride(1) == 1):
+        return _fused.add_rms_norm(x, residual, weight, eps), (x if residual is None else residual)
+    h = x if residual is None else x + residual
+    return weight * F.rms_norm(h.float(), (h.shape[-1],), eps=eps).to(h.dtype), h
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of x [T, n, D] by cos, sin [T, 1, D] (or [T, D]); the compiled path rotates x in place and
+    returns it, the torch path returns a new tensor: use the result."""
+    if _use_fused(x, cos, sin) and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+        _fused.rotary_(x, cos.reshape(x.shape[0], x.shape[2]), sin.reshape(x.shape[0], x.shape[2]))
+        return x
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    """k_cache[slots] = k, v_cache[slots] = v, converted to the cache dtype. k, v [T, Hkv, D]; caches [S, Hkv, D]."""
+    if _use_fused(k, v) and k_cache.device.type == "cpu" and k.stride(2) == 1 and v.stride(2) == 1 \
+            and k.stride(1) == k.shape[2] and v.stride(1) == v.shape[2] and slots.dtype == torch.long:
+        _fused.write_kv(k, v, k_cache, v_cache, slots)
+        return
+    k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] holding (gate | up) -> silu(gate) * up, [T, I]."""
+    if _use_fused(x) and x.dim() == 2 and x.stride(1) == 1:
+        return _fused.silu_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

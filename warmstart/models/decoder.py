@@ -48,9 +48,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
-    def forward(self, x, rope, attn):
-        x = x + self.self_attn(self.input_layernorm(x), rope, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope, attn) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm residual block, with the residual stream carried separately: the input hidden state is
+        x + residual (residual None on the first layer), and so is the output. Each norm adds its residual in the
+        same pass (kernels.add_rms_norm), so the block's two residual adds cost no extra op."""
+        h, residual = self.input_layernorm.add_forward(x, residual)
+        h, residual = self.post_attention_layernorm.add_forward(self.self_attn(h, rope, attn), residual)
+        return self.mlp(h), residual
 
 
 class DecoderBody(nn.Module):
@@ -64,9 +68,10 @@ class DecoderBody(nn.Module):
     def forward(self, input_ids, positions, attn):
         x = self.embed_tokens(input_ids)
         rope = self.rotary_emb(positions, x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(x, rope, attn)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, attn)
+        return self.norm.add_forward(x, residual)[0]
 
 
 class DecoderLM(nn.Module):

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from warmstart import kernels
 from warmstart.models.spec import RopeSpec
 
 
@@ -27,6 +28,11 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 like transformers does, so half-precision runs match it; one fused aten op.
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual), or (norm(x), x) without a residual: the pre-norm decoder's residual
+        stream in one pass (kernels.add_rms_norm); `residual` may be updated in place."""
+        return kernels.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -53,12 +59,9 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    """Rotate-half RoPE of q [T, H, D] and k [T, Hkv, D]. May rotate them in place (kernels.rotary_): callers must
+    not hold other uses of q and k, and must use the results."""
+    return kernels.rotary_(q, cos, sin), kernels.rotary_(k, cos, sin)
 
 
 def _inv_freq(head_dim: int, spec: RopeSpec) -> torch.Tensor:
@@ -87,6 +90,5 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "gate_up_proj"):   # fused at load (weights/quantize.fuse)
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
+            return self.down_proj(kernels.silu_mul(self.gate_up_proj(x)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

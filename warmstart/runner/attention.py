@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from warmstart.kernels import paged_attention
+from warmstart.kernels import paged_attention, write_kv
 
 PAGED_MAX_Q = 16
 
@@ -64,8 +64,7 @@ class PagedAttentionBackend:
                                       v[s.q_start:s.q_start + s.q_len], s.q_len) for s in meta.seqs])
         kc = self.kv[0, layer].view(-1, k.shape[1], k.shape[2])     # [slots, Hkv, D]
         vc = self.kv[1, layer].view(-1, v.shape[1], v.shape[2])
-        kc.index_copy_(0, meta.slot_mapping, k.to(kc.dtype))
-        vc.index_copy_(0, meta.slot_mapping, v.to(vc.dtype))
+        write_kv(k, v, kc, vc, meta.slot_mapping)
         p = meta.paged
         if p is not None and p.rows is None:                        # the whole step is paged (e.g. all decode)
             return self._paged(layer, q, p)

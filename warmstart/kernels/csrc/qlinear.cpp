@@ -59,28 +59,61 @@ inline float hsum(__m256 v) {
 }
 #endif
 
+#if WS_AVX2
+inline float dot_f32(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float s = hsum(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// One int4 block (32 weights) against R quantized activation rows, into acc[r].
+template <int R>
+inline void int4_block(const uint8_t* w, float scale, const int8_t* qx, const float* dx, int64_t b, int64_t nb,
+                       int64_t K, __m256* acc) {
+  const __m128i low = _mm_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + b * 16));
+  const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low), _mm_and_si128(bytes, low));
+  for (int r = 0; r < R; ++r) {
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + r * K + b * G));
+    const __m256i prod = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), ones);
+    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(prod), _mm256_set1_ps(scale * dx[r * nb + b]), acc[r]);
+  }
+}
+
+template <int R>
+inline void int8_block(const int8_t* w, float scale, const int8_t* qx, const float* dx, int64_t b, int64_t nb,
+                       int64_t K, __m256* acc) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * G));
+  const __m256i aw = _mm256_sign_epi8(wv, wv);            // |w|: maddubs wants one unsigned operand
+  for (int r = 0; r < R; ++r) {
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + r * K + b * G));
+    const __m256i prod = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv)), ones);
+    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(prod), _mm256_set1_ps(scale * dx[r * nb + b]), acc[r]);
+  }
+}
+#endif
+
 // R rows of x against one weight row at a time: each weight block is unpacked once and used R times (decode
-// batches), with R accumulators in registers. out[r] = dot(w, x_r).
+// batches). Blocks alternate between two sets of accumulators so consecutive FMAs do not wait on each other, and
+// the int4 min term, sum_b min[b] * sum(x in block b), is one vector dot product after the loop.
 template <int R>
 void dot_int4(const uint8_t* w, const float* sc, const float* mn, const int8_t* qx, const float* dx,
               const float* sx, int64_t nb, int64_t K, float* out) {
 #if WS_AVX2
-  const __m128i low = _mm_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[R];
-  float mins[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), mins[r] = 0.f;
-  for (int64_t b = 0; b < nb; ++b) {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + b * 16));
-    const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low), _mm_and_si128(bytes, low));
-    for (int r = 0; r < R; ++r) {
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + r * K + b * G));
-      const __m256i prod = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), ones);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(prod), _mm256_set1_ps(sc[b] * dx[r * nb + b]), acc[r]);
-      mins[r] += mn[b] * sx[r * nb + b];
-    }
+  __m256 a0[R], a1[R];
+  for (int r = 0; r < R; ++r) a0[r] = _mm256_setzero_ps(), a1[r] = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    int4_block<R>(w, sc[b], qx, dx, b, nb, K, a0);
+    int4_block<R>(w, sc[b + 1], qx, dx, b + 1, nb, K, a1);
   }
-  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) + mins[r];
+  if (b < nb) int4_block<R>(w, sc[b], qx, dx, b, nb, K, a0);
+  for (int r = 0; r < R; ++r) out[r] = hsum(_mm256_add_ps(a0[r], a1[r])) + dot_f32(mn, sx + r * nb, nb);
 #else
   for (int r = 0; r < R; ++r) {
     float total = 0.f;
@@ -101,19 +134,15 @@ template <int R>
 void dot_int8(const int8_t* w, const float* sc, const int8_t* qx, const float* dx, int64_t nb, int64_t K,
               float* out) {
 #if WS_AVX2
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * G));
-    const __m256i aw = _mm256_sign_epi8(wv, wv);          // |w|: maddubs wants one unsigned operand
-    for (int r = 0; r < R; ++r) {
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + r * K + b * G));
-      const __m256i prod = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv)), ones);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(prod), _mm256_set1_ps(sc[b] * dx[r * nb + b]), acc[r]);
-    }
+  __m256 a0[R], a1[R];
+  for (int r = 0; r < R; ++r) a0[r] = _mm256_setzero_ps(), a1[r] = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    int8_block<R>(w, sc[b], qx, dx, b, nb, K, a0);
+    int8_block<R>(w, sc[b + 1], qx, dx, b + 1, nb, K, a1);
   }
-  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
+  if (b < nb) int8_block<R>(w, sc[b], qx, dx, b, nb, K, a0);
+  for (int r = 0; r < R; ++r) out[r] = hsum(_mm256_add_ps(a0[r], a1[r]));
 #else
   for (int r = 0; r < R; ++r) {
     float total = 0.f;

@@ -1,0 +1,96 @@
+"""The decode step's fused glue (kernels/csrc/fused.cpp) against plain torch ops doing the same math: row counts on
+both sides of the threading grain, strided views like the ones the decoder passes (q/k/v split from one fused
+projection), every cache dtype, and the torch fallback for inputs the compiled path does not take."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from warmstart import kernels
+
+pytestmark = pytest.mark.skipif(not kernels.has_fused(), reason=f"fused kernels not built: "
+                                f"{kernels.FUSED_UNAVAILABLE_REASON}")
+
+ROWS = (1, 3, 17, 40)
+
+
+def _rms_ref(h: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm(rows, with_residual):
+    d, eps = 576, 1e-5
+    x, w = torch.randn(rows, d), torch.randn(d)
+    residual = torch.randn(rows, d) if with_residual else None
+    h_want = x + residual if with_residual else x.clone()
+    out, h = kernels.add_rms_norm(x, residual, w, eps)
+    assert torch.allclose(h, h_want, atol=1e-6)
+    if with_residual:
+        assert h is residual                    # the compiled path carries the residual stream in place
+    assert torch.allclose(out, _rms_ref(h_want, w, eps), atol=2e-5, rtol=1e-5)
+
+
+def test_add_rms_norm_strided_rows():
+    x = torch.randn(5, 2 * 64)[:, :64]          # rows of stride 128
+    out, _ = kernels.add_rms_norm(x, None, torch.ones(64), 1e-6)
+    assert torch.allclose(out, _rms_ref(x, torch.ones(64), 1e-6), atol=2e-5)
+
+
+def _rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_rotary_in_place_on_split_views(rows):
+    h, hkv, d = 9, 3, 64
+    qkv = torch.randn(rows, (h + 2 * hkv) * d)
+    q, k, v = qkv.split((h * d, hkv * d, hkv * d), dim=-1)
+    q, k, v = q.view(rows, h, d), k.view(rows, hkv, d), v.view(rows, hkv, d)
+    ang = torch.randn(rows, 1, d)
+    cos, sin = ang.cos(), ang.sin()
+    q_want, k_want, v_before = _rotate_ref(q, cos, sin), _rotate_ref(k, cos, sin), v.clone()
+    q_out, k_out = kernels.rotary_(q, cos, sin), kernels.rotary_(k, cos, sin)
+    assert q_out.data_ptr() == q.data_ptr()     # rotated in place, inside the fused projection's output
+    assert torch.allclose(q_out, q_want, atol=1e-5) and torch.allclose(k_out, k_want, atol=1e-5)
+    assert torch.equal(v, v_before)             # v shares the buffer and is untouched
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", (1, 7))
+def test_write_kv(cache_dtype, rows):
+    hkv, d, slots_total = 3, 64, 50
+    kv = torch.randn(rows, 2 * hkv * d)
+    k, v = (t.view(rows, hkv, d) for t in kv.split((hkv * d, hkv * d), dim=-1))
+    slots = torch.randperm(slots_total)[:rows]
+    kc, vc = torch.zeros(slots_total, hkv, d, dtype=cache_dtype), torch.zeros(slots_total, hkv, d, dtype=cache_dtype)
+    kc_want, vc_want = kc.clone(), vc.clone()
+    kc_want.index_copy_(0, slots, k.to(cache_dtype))
+    vc_want.index_copy_(0, slots, v.to(cache_dtype))
+    kernels.write_kv(k, v, kc, vc, slots)
+    assert torch.equal(kc, kc_want) and torch.equal(vc, vc_want)   # same rounding (to nearest even) as .to()
+
+
+def test_write_kv_rejects_a_slot_outside_the_cache():
+    k = torch.randn(1, 3, 64)
+    kc, vc = torch.zeros(4, 3, 64), torch.zeros(4, 3, 64)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        kernels.write_kv(k, k.clone(), kc, vc, torch.tensor([4]))
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_silu_mul(rows):
+    x = torch.randn(rows, 2 * 1536) * 4
+    gate, up = x.chunk(2, dim=-1)
+    assert torch.allclose(kernels.silu_mul(x), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
+
+
+def test_half_precision_inputs_take_the_torch_path():
+    """bf16 activations (and CUDA, and torch.compile tracing) use the torch ops: same results as the reference."""
+    x, w = torch.randn(4, 64, dtype=torch.bfloat16), torch.randn(64, dtype=torch.bfloat16)
+    out, h = kernels.add_rms_norm(x, None, w, 1e-6)
+    assert out.dtype == torch.bfloat16 and h is x
+    assert torch.allclose(out.float(), _rms_ref(x.float(), w.float(), 1e-6), atol=3e-2, rtol=2e-2)
+    y = torch.randn(4, 128, dtype=torch.bfloat16)
+    assert torch.equal(kernels.silu_mul(y), F.silu(y[:, :64]) * y[:, 64:])
