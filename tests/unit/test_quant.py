@@ -25,7 +25,7 @@ def _check_linear(canon: dict, n: int, k: int, bias: torch.Tensor | None = None)
     ref_w = quant.dequantize(canon)
     assert module.dequantized().shape == (n, k)
     assert torch.allclose(module.dequantized(), ref_w, atol=1e-2 * ref_w.abs().max().item(), rtol=0)
-    for rows in (1, 5, 33):
+    for rows in (1, 5, 33, 70):        # 70: from kernels.DENSE_MIN_ROWS rows on, the float32-expansion path
         x = torch.randn(rows, k)
         y, ref = module(x), quant.reference_linear(module, x)
         assert y.shape == (rows, n) and y.dtype == x.dtype
@@ -127,3 +127,22 @@ def test_postprocess_modes_keep_names_and_shrink_bytes(kernel):
     assert "model.embed_tokens.scales" in int4            # LM head / tied embedding stay int8
     nbytes = lambda d: sum(v.numel() * v.element_size() for v in d.values())
     assert nbytes(int4) < nbytes(int8) < nbytes(none)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_dense_path_equals_the_dequantized_weight_across_tiles(kind):
+    """From DENSE_MIN_ROWS rows on the kernel expands the weight to float32 in tiles of output columns: with K this
+    large a tile is 64 rows, so N = 130 spans three tiles, the last one partial."""
+    from warmstart import kernels
+    if not kernels.has_qlinear():
+        pytest.skip("the compiled quantized-linear kernel is not built here")
+    n, k = 130, 32768
+    w = torch.randn(n, k)
+    canon = quant.quantize_int4(w) if kind == "int4" else quant.quantize_int8(w)
+    ready = quant.prepare(canon)
+    x = torch.randn(kernels.DENSE_MIN_ROWS, k)
+    y = kernels.qlinear(x, ready["qweight"], ready["scales"], ready.get("mins"))
+    want = x @ quant.dequantize(canon).t()
+    assert torch.allclose(y, want, atol=1e-3 * want.abs().max().item(), rtol=0)
+    y_int8_act = kernels.qlinear(x, ready["qweight"], ready["scales"], ready.get("mins"), dense_min_rows=0)
+    assert (y_int8_act - want).abs().max() > (y - want).abs().max()     # the dense path really ran: it is exact

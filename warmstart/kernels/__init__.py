@@ -125,12 +125,19 @@ def has_qlinear() -> bool:
     return _qlinear is not None
 
 
+# From this many rows on (prefill chunks), the kernel expands the weight to float32 tile by tile and runs the float32
+# GEMM, which beats int8 activations there; below it (decode), it reads the quantized weight directly. Measured at
+# 1 thread on AVX2 (qlinear.cpp's dense_qlinear): the crossover is between 32 and 64 rows.
+DENSE_MIN_ROWS = 64
+
+
 def qlinear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-            mins: torch.Tensor | None = None) -> torch.Tensor:
+            mins: torch.Tensor | None = None, dense_min_rows: int = DENSE_MIN_ROWS) -> torch.Tensor:
     """x [M, K] (any float dtype) times a quantized weight, float32 [M, N] out. int4: qweight uint8 [N, K/2],
-    scales and mins float32 [N, K/32]; int8: qweight int8 [N, K], scales float32 [N, K/32]. Activations are
-    quantized to int8 per block of 32 inside the kernel."""
-    return _qlinear.qlinear(x, qweight, scales, mins)
+    scales and mins float32 [N, K/32]; int8: qweight int8 [N, K], scales float32 [N, K/32]. Below dense_min_rows
+    rows, activations are quantized to int8 per block of 32 inside the kernel; from there on (0: never) the weight
+    is expanded to float32 and multiplied in full precision."""
+    return _qlinear.qlinear(x, qweight, scales, mins, dense_min_rows)
 
 
 # ------------------------------------------------------------------------------------------------ fused glue
@@ -145,8 +152,12 @@ def has_fused() -> bool:
 
 
 def _use_fused(*tensors: torch.Tensor) -> bool:
-    return (_fused is not None and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
-            and not torch.compiler.is_compiling())
+    if _fused is None or torch.compiler.is_compiling():
+        return False
+    for t in tensors:                      # a plain loop: this check runs ~10 times per layer per step
+        if t.dtype is not torch.float32 or not t.is_cpu:
+            return False
+    return True
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,

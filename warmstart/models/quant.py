@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from warmstart.kernels import qlinear as _qlinear_kernel
+
 GROUP_SIZE = 32
 ACT_DTYPE = torch.bfloat16
 INT4_ROWS = 16          # the int4 kernel packs output rows in multiples of 16
@@ -192,10 +194,12 @@ class NativeQuantLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from warmstart.kernels import qlinear
-        shape = x.shape
-        y = qlinear(x.reshape(-1, shape[-1]), self.qweight, self.scales, self.mins)
-        y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+        if x.dim() == 2 and x.dtype is torch.float32:      # the decoder's packed [T, K] rows: no reshapes
+            y = _qlinear_kernel(x, self.qweight, self.scales, self.mins)
+        else:
+            shape = x.shape
+            y = _qlinear_kernel(x.reshape(-1, shape[-1]), self.qweight, self.scales, self.mins)
+            y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
     def dequantized(self) -> torch.Tensor:

@@ -56,14 +56,24 @@ class PagedAttentionBackend:
     def __init__(self, kv: torch.Tensor | None, block_size: int):
         self.kv, self.block_size = kv, block_size
         self.meta: AttentionMeta | None = None
+        self._views: list[tuple[torch.Tensor, ...] | None] = [None] * (0 if kv is None else kv.shape[1])
+
+    def _layer_views(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """(k, v) of one layer as [slots, Hkv, D] and as [blocks, block_size, Hkv, D]; made once per backend (the
+        runner keeps one backend per cache), not 4 times per layer per step."""
+        views = self._views[layer]
+        if views is None:
+            k, v = self.kv[0, layer], self.kv[1, layer]
+            hkv, d = self.kv.shape[-2:]
+            views = self._views[layer] = (k.view(-1, hkv, d), v.view(-1, hkv, d), k, v)
+        return views
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = self.meta
         if self.kv is None:
             return torch.cat([_attend(q[s.q_start:s.q_start + s.q_len], k[s.q_start:s.q_start + s.q_len],
                                       v[s.q_start:s.q_start + s.q_len], s.q_len) for s in meta.seqs])
-        kc = self.kv[0, layer].view(-1, k.shape[1], k.shape[2])     # [slots, Hkv, D]
-        vc = self.kv[1, layer].view(-1, v.shape[1], v.shape[2])
+        kc, vc, _, _ = self._layer_views(layer)                     # [slots, Hkv, D]
         write_kv(k, v, kc, vc, meta.slot_mapping)
         p = meta.paged
         if p is not None and p.rows is None:                        # the whole step is paged (e.g. all decode)
@@ -80,9 +90,8 @@ class PagedAttentionBackend:
         return out
 
     def _paged(self, layer: int, q: torch.Tensor, p: PagedRows) -> torch.Tensor:
-        shape = (-1, self.block_size, *self.kv.shape[-2:])
-        return paged_attention(q, self.kv[0, layer].view(shape), self.kv[1, layer].view(shape), p.block_tables,
-                               p.seq_idx, p.ctx_lens, q.shape[-1] ** -0.5)
+        _, _, kb, vb = self._layer_views(layer)
+        return paged_attention(q, kb, vb, p.block_tables, p.seq_idx, p.ctx_lens, q.shape[-1] ** -0.5)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_len: int) -> torch.Tensor:

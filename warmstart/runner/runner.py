@@ -28,6 +28,7 @@ class ModelRunner:
         self.processors = LogitsProcessors()
         self.forward = model.forward      # replaced by the compiled forward in compile mode
         self.attention_reference = False  # True: every sequence through gather + SDPA (tests' reference path)
+        self._attn: PagedAttentionBackend | None = None   # one per KV tensor: it caches the per-layer cache views
 
     # -- memory ---------------------------------------------------------------------------------------------
     def kv_block_bytes(self, block_size: int) -> int:
@@ -58,7 +59,9 @@ class ModelRunner:
         if not batch.items:
             return []
         input_ids, positions, meta = self._prepare(batch.items)
-        attn = PagedAttentionBackend(self.kv, self.block_size)
+        if self._attn is None or self._attn.kv is not self.kv:
+            self._attn = PagedAttentionBackend(self.kv, self.block_size)
+        attn = self._attn
         attn.meta = meta
         hidden = self.forward(input_ids, positions, attn)
         return self._postprocess(batch.items, hidden)

@@ -10,6 +10,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -168,7 +169,59 @@ void rows_block(bool int4, const uint8_t* w4, const int8_t* w8, const float* sc,
   for (int r = 0; r < R; ++r) out[(m0 + r) * N + n] = tmp[r];
 }
 
-torch::Tensor qlinear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, c10::optional<torch::Tensor> mins) {
+// Rows [n0, n1) of the weight as float32 into dst [N, K]: w = q * scale (+ min for int4).
+void dequantize_rows(bool int4, const uint8_t* w4, const int8_t* w8, const float* sc, const float* mn, int64_t n0,
+                     int64_t n1, int64_t K, float* dst) {
+  const int64_t nb = K / G;
+  for (int64_t n = n0; n < n1; ++n) {
+    float* row = dst + n * K;
+    for (int64_t b = 0; b < nb; ++b) {
+      const float s = sc[n * nb + b], m = int4 ? mn[n * nb + b] : 0.f;
+      float* o = row + b * G;
+      if (int4) {
+        const uint8_t* q = w4 + n * (K / 2) + b * 16;
+        for (int j = 0; j < 16; ++j) {
+          o[2 * j] = static_cast<float>(q[j] & 0x0F) * s + m;
+          o[2 * j + 1] = static_cast<float>(q[j] >> 4) * s + m;
+        }
+      } else {
+        const int8_t* q = w8 + n * K + b * G;
+        for (int j = 0; j < G; ++j) o[j] = static_cast<float>(q[j]) * s;
+      }
+    }
+  }
+}
+
+// Many rows (prefill, big decode batches): the int8-activation kernel costs ~7 instructions per 32 products per
+// row, no better than float32 FMA, so from `dense_min_rows` rows on the weight is expanded to float32, a tile of
+// output columns at a time into a reused per-thread buffer (at most kDenseTile floats: 8 MiB, counted by the boot's
+// activation profile, which runs this path), and multiplied by the float32 GEMM: full-precision activations,
+// exact weight values.
+constexpr int64_t kDenseTile = int64_t(1) << 21;
+
+torch::Tensor dense_qlinear(const torch::Tensor& xf, bool int4, const uint8_t* w4, const int8_t* w8, const float* sc,
+                            const float* mn, int64_t N, int64_t K) {
+  const int64_t rows = std::max<int64_t>(64, (kDenseTile / K) / 64 * 64);
+  thread_local std::vector<float> buf;
+  const int64_t need = std::min(N, rows) * K;
+  if (static_cast<int64_t>(buf.size()) < need) buf.resize(need);
+  float* dst = buf.data();
+  const int64_t M = xf.size(0);
+  auto y = torch::empty({M, N}, xf.options());
+  for (int64_t n0 = 0; n0 < N; n0 += rows) {
+    const int64_t n1 = std::min(N, n0 + rows);
+    at::parallel_for(n0, n1, 64, [&](int64_t begin, int64_t end) {
+      dequantize_rows(int4, w4, w8, sc, mn, begin, end, K, dst - n0 * K);
+    });
+    auto w = torch::from_blob(dst, {n1 - n0, K}, xf.options());
+    if (n0 == 0 && n1 == N) return at::mm(xf, w.t());
+    y.narrow(1, n0, n1 - n0).copy_(at::mm(xf, w.t()));
+  }
+  return y;
+}
+
+torch::Tensor qlinear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, c10::optional<torch::Tensor> mins,
+                      int64_t dense_min_rows) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "x must be a 2-D CPU tensor");
   TORCH_CHECK(qweight.is_contiguous() && scales.is_contiguous() && scales.scalar_type() == torch::kFloat,
               "qweight and float32 scales must be contiguous");
@@ -179,6 +232,10 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scal
   TORCH_CHECK(scales.size(0) == N && scales.size(1) == nb, "scales must be [N, K/32]");
   if (int4) TORCH_CHECK(mins->is_contiguous() && mins->sizes() == scales.sizes(), "mins must match scales");
   auto xf = x.to(torch::kFloat).contiguous();
+  if (dense_min_rows > 0 && M >= dense_min_rows)
+    return dense_qlinear(xf, int4, int4 ? qweight.data_ptr<uint8_t>() : nullptr,
+                         int4 ? nullptr : qweight.data_ptr<int8_t>(), scales.data_ptr<float>(),
+                         int4 ? mins->data_ptr<float>() : nullptr, N, K);
   std::vector<int8_t> qx(M * K);
   std::vector<float> dx(M * nb), sx(M * nb);
   quantize_rows(xf.data_ptr<float>(), M, K, int4, qx.data(), dx.data(), sx.data());
@@ -202,7 +259,7 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scal
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear", &qlinear, "int4/int8 weight x int8-quantized activation linear (fp32 output)",
-        py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins") = py::none(),
+        py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins") = py::none(), py::arg("dense_min_rows") = 0,
         py::call_guard<py::gil_scoped_release>());
   m.attr("simd") = WS_AVX2 ? "avx2+fma" : "scalar";
 }
