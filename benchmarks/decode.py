@@ -7,8 +7,9 @@ noisy neighbour hits all of them alike; ratios are per round, then the median. d
 where t1 is the best of two 1-token runs and tN one N-token run: prefill cancels out (peers.md's method).
 
 Sections: batch 1 (warmstart fp32 / bf16 / the GGUF's own quantization / int8, llama.cpp on the same GGUF through
-llama-cpp-python in a separate venv `.venv-peers`, HF transformers fp32); batch 32 (warmstart vs transformers, each
-in its fastest dtype); context scaling (batch 8 at 128 vs 2,048 tokens of context); under load (batch 1 and a
+llama-cpp-python in a separate venv `.venv-peers`, HF transformers fp32), and where a batch-1 step's time goes
+(quantized matmuls, paged attention, the rest = glue) at 40 and 2,048 tokens of context; batch 32 (warmstart vs transformers, each
+in its fastest dtype); context scaling (batch 8 at 128 vs 2,048 tokens of context, KV cache fp32 and fp16); under load (batch 1 and a
 plan-hit boot while busy loops hold every core, vs quiet; passive vs active OpenMP wait); the physical limit
 (measured read bandwidth and the batch-1 bound for each weight format)."""
 from __future__ import annotations
@@ -51,13 +52,47 @@ def worker_ws(a: dict) -> dict:
     from warmstart import LLM, SamplingParams
     llm = LLM("default", dtype=a["dtype"], quantization=a["quantization"], kv_cache_memory=2**30,
               max_model_len=a["ctx"] + a["n"] + 16, startup_plan="off", max_num_seqs=max(64, a["batch"]),
-              max_num_batched_tokens=max(512, a["ctx"]))
+              max_num_batched_tokens=max(512, a["ctx"]), kv_cache_dtype=a.get("kv_cache_dtype", "auto"))
     prompts = _prompts(a["batch"], a["ctx"])
     run = lambda n: llm.generate_ids(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    spent = _time_kernels() if a.get("breakdown") else None
     out = _rate(run, a["batch"], a["n"])
+    if spent is not None:
+        # Kernel seconds of the decode steps alone: one N-token run minus one 1-token run, as for tok/s.
+        before = dict(spent)
+        run(1)
+        one = {k: spent[k] - before[k] for k in spent}
+        before = dict(spent)
+        t0 = time.perf_counter()
+        run(a["n"])
+        total = time.perf_counter() - t0
+        steps = a["n"] - 1
+        decode_s = total - out["t1"]
+        out["breakdown_ms_per_step"] = {k: 1e3 * (spent[k] - before[k] - one[k]) / steps for k in spent}
+        out["breakdown_ms_per_step"]["step"] = 1e3 * decode_s / steps
     out["weight_bytes"] = llm.booted.ledger.weights_bytes
     out["threads"] = llm.booted.report.to_dict()["threads"]
     return out
+
+
+def _time_kernels() -> dict:
+    """Wrap the compiled kernels the decoder calls (quantized matmuls, paged attention) with timers: what remains
+    of a step is glue (norms, RoPE, cache writes, module calls, scheduling, sampling)."""
+    from warmstart.models import quant
+    from warmstart.runner import attention
+    spent = {"matmul": 0.0, "attention": 0.0}
+
+    def timed(fn, key):
+        def wrapper(*args, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                spent[key] += time.perf_counter() - t0
+        return wrapper
+    quant._qlinear_kernel = timed(quant._qlinear_kernel, "matmul")
+    attention.paged_attention = timed(attention.paged_attention, "attention")
+    return spent
 
 
 def worker_hf(a: dict) -> dict:
@@ -190,6 +225,11 @@ def main() -> int:
     res["batch1"] = {k: {"tok_s": med([r and r["tok_s"] for r in v]),
                          "weight_bytes": next((r.get("weight_bytes") for r in v if r), None)} for k, v in rows.items()}
     print("batch 1:", json.dumps(res["batch1"]), flush=True)
+    # where a batch-1 step of the default mode goes (the issue's "lean step"), and that it does not grow with context
+    res["step_breakdown"] = {c: (spawn("ws", {"batch": 1, "ctx": c, "n": min(n, 64), "dtype": "float32",
+                                              "quantization": "auto", "breakdown": True}) or {})
+                             .get("breakdown_ms_per_step") for c in (40, 2048)}
+    print("step breakdown:", json.dumps(res["step_breakdown"]), flush=True)
 
     # batch 32: each in its fastest dtype (both are tried)
     b32 = {"ws fp32": ("ws", {"dtype": "float32", "quantization": "none"}),
@@ -207,11 +247,15 @@ def main() -> int:
     res["batch32"] = {k: med([r and r["tok_s"] for r in v]) for k, v in rows.items()}
     print("batch 32:", json.dumps(res["batch32"]), flush=True)
 
-    # context scaling: batch 8 at 128 vs 2048 tokens of context, the default (native) mode
-    ctx = {}
-    for c in (128, 2048):
-        ctx[c] = med([(spawn("ws", {"batch": 8, "ctx": c, "n": min(n, 64), "dtype": "float32",
-                                    "quantization": "auto"}) or {}).get("tok_s") for _ in range(rounds)])
+    # context scaling: batch 8 at 128 vs 2048 tokens of context, the default (native) mode, with the KV cache in the
+    # model dtype (the default) and in float16 (half the bytes a long context reads each step)
+    ctx: dict = {}
+    for kvd in ("auto", "float16"):
+        ctx[kvd] = {}
+        for c in (128, 2048):
+            ctx[kvd][c] = med([(spawn("ws", {"batch": 8, "ctx": c, "n": min(n, 64), "dtype": "float32",
+                                             "quantization": "auto", "kv_cache_dtype": kvd}) or {}).get("tok_s")
+                               for _ in range(rounds)])
     res["context"] = ctx
     print("context:", json.dumps(ctx), flush=True)
 
@@ -260,10 +304,17 @@ def report(res: dict) -> None:
         print(f"| {k} | {_f(v)} |")
     if best_hf32:
         print(f"\nbest warmstart / best transformers = {best_ws32 / best_hf32:.2f} (goal >= 1.5)")
-    c = res["context"]
-    if c.get(128) and c.get(2048):
-        print(f"\n## context scaling (batch 8): 128 ctx {c[128]:.1f} tok/s, 2048 ctx {c[2048]:.1f} tok/s, "
-              f"ratio {c[2048] / c[128]:.2f} (goal >= 0.7)")
+    for kvd, c in res["context"].items():
+        if c.get(128) and c.get(2048):
+            print(f"\n## context scaling (batch 8, KV cache {kvd}): 128 ctx {c[128]:.1f} tok/s, 2048 ctx "
+                  f"{c[2048]:.1f} tok/s, ratio {c[2048] / c[128]:.2f} (goal >= 0.7)")
+    print("\n## batch-1 step breakdown, default mode (ms per decode step)\n| context | step | quantized matmuls | "
+          "paged attention | glue (the rest) | glue share |\n|---|---|---|---|---|---|")
+    for c, b in res["step_breakdown"].items():
+        if b:
+            glue = b["step"] - b["matmul"] - b["attention"]
+            print(f"| {c} | {b['step']:.2f} | {b['matmul']:.2f} | {b['attention']:.2f} | {glue:.2f} | "
+                  f"{glue / b['step']:.0%} |")
     print("\n## under load (busy loops on every core)\n| wait policy | quiet tok/s | loaded tok/s | slowdown | "
           "quiet boot s | loaded boot s | slowdown |\n|---|---|---|---|---|---|---|")
     for p, v in res["under_load"].items():
