@@ -157,6 +157,37 @@ void dot_int8(const int8_t* w, const float* sc, const int8_t* qx, const float* d
 #endif
 }
 
+#if WS_AVX2
+// One activation row (a decode step of one sequence) against two int4 weight rows: four independent FMA chains and
+// one activation load per block for both rows. out_a = dot(w_a, x), out_b = dot(w_b, x).
+void dot_int4_pair(const uint8_t* wa, const uint8_t* wb, const float* sca, const float* scb, const float* mna,
+                   const float* mnb, const int8_t* qx, const float* dx, const float* sx, int64_t nb, float* out_a,
+                   float* out_b) {
+  const __m128i low = _mm_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
+  auto step = [&](int64_t b, __m256& acc_a, __m256& acc_b) {
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + b * G));
+    const __m128i ba = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wa + b * 16));
+    const __m128i bb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + b * 16));
+    const __m256i qa = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(ba, 4), low), _mm_and_si128(ba, low));
+    const __m256i qb = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bb, 4), low), _mm_and_si128(bb, low));
+    const __m256 pa = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(qa, xv), ones));
+    const __m256 pb = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(qb, xv), ones));
+    acc_a = _mm256_fmadd_ps(pa, _mm256_set1_ps(sca[b] * dx[b]), acc_a);
+    acc_b = _mm256_fmadd_ps(pb, _mm256_set1_ps(scb[b] * dx[b]), acc_b);
+  };
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    step(b, a0, b0);
+    step(b + 1, a1, b1);
+  }
+  if (b < nb) step(b, a0, b0);
+  *out_a = hsum(_mm256_add_ps(a0, a1)) + dot_f32(mna, sx, nb);
+  *out_b = hsum(_mm256_add_ps(b0, b1)) + dot_f32(mnb, sx, nb);
+}
+#endif
+
 template <int R>
 void rows_block(bool int4, const uint8_t* w4, const int8_t* w8, const float* sc, const float* mn, const int8_t* qx,
                 const float* dx, const float* sx, int64_t n, int64_t m0, int64_t N, int64_t K, int64_t nb,
@@ -246,7 +277,14 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scal
   const uint8_t* w4 = int4 ? qweight.data_ptr<uint8_t>() : nullptr;
   const int8_t* w8 = int4 ? nullptr : qweight.data_ptr<int8_t>();
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
+    int64_t n = begin;
+#if WS_AVX2
+    if (int4 && M == 1)
+      for (; n + 2 <= end; n += 2)
+        dot_int4_pair(w4 + n * (K / 2), w4 + (n + 1) * (K / 2), sc + n * nb, sc + (n + 1) * nb, mn + n * nb,
+                      mn + (n + 1) * nb, qx.data(), dx.data(), sx.data(), nb, out + n, out + n + 1);
+#endif
+    for (; n < end; ++n) {
       int64_t m = 0;
       for (; m + 4 <= M; m += 4) rows_block<4>(int4, w4, w8, sc, mn, qx.data(), dx.data(), sx.data(), n, m, N, K, nb, out);
       for (; m < M; ++m) rows_block<1>(int4, w4, w8, sc, mn, qx.data(), dx.data(), sx.data(), n, m, N, K, nb, out);
