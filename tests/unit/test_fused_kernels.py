@@ -86,6 +86,16 @@ def test_silu_mul(rows):
     assert torch.allclose(kernels.silu_mul(x), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
 
 
+def test_silu_mul_extremes():
+    """The vectorized exp clamps its input at +-88.4: SiLU must still give x for large x, 0 (not NaN) for very
+    negative x, and stay exact around 0 and for non-multiple-of-8 widths (the scalar tail)."""
+    gate = torch.tensor([[-1e4, -200.0, -88.0, -20.0, -1e-3, 0.0, 1e-3, 3.0, 20.0, 88.0, 200.0, 1e4, -5.0]])
+    x = torch.cat([gate, torch.ones_like(gate)], dim=1)
+    got = kernels.silu_mul(x)
+    assert torch.isfinite(got).all()
+    assert torch.allclose(got, F.silu(gate), atol=1e-6, rtol=1e-5)
+
+
 def test_half_precision_inputs_take_the_torch_path():
     """bf16 activations (and CUDA, and torch.compile tracing) use the torch ops: same results as the reference."""
     x, w = torch.randn(4, 64, dtype=torch.bfloat16), torch.randn(64, dtype=torch.bfloat16)

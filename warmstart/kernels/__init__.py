@@ -125,10 +125,11 @@ def has_qlinear() -> bool:
     return _qlinear is not None
 
 
-# From this many rows on (prefill chunks), the kernel expands the weight to float32 tile by tile and runs the float32
-# GEMM, which beats int8 activations there; below it (decode), it reads the quantized weight directly. Measured at
-# 1 thread on AVX2 (qlinear.cpp's dense_qlinear): the crossover is between 32 and 64 rows.
-DENSE_MIN_ROWS = 64
+# From this many rows on (prefill chunks, big decode batches), the kernel expands the weight to float32 tile by tile
+# and runs the float32 GEMM, which beats int8 activations there; below it, it reads the quantized weight directly.
+# Measured at 1 thread on AVX2 (SmolLM2's shapes, M = 8..32): the int8-activation kernel wins up to ~16 rows, the
+# two tie at 24, and the float32 GEMM wins by 1-1.3x at 32.
+DENSE_MIN_ROWS = 32
 
 
 def qlinear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,

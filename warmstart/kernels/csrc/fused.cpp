@@ -10,6 +10,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "vec_math.h"
+
 namespace {
 
 constexpr int64_t kRowGrain = 16;
@@ -140,7 +142,16 @@ torch::Tensor silu_mul(torch::Tensor x) {
       const float* g = xp + t * xs;
       const float* u = g + I;
       float* o = op + t * I;
-      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+      int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+      const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+      for (; i + 8 <= I; i += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 e = ws::exp256(_mm256_sub_ps(zero, gv));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+      }
+#endif
+      for (; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
     }
   });
   return out;

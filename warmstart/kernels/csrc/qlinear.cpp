@@ -209,6 +209,26 @@ void dequantize_rows(bool int4, const uint8_t* w4, const int8_t* w8, const float
     for (int64_t b = 0; b < nb; ++b) {
       const float s = sc[n * nb + b], m = int4 ? mn[n * nb + b] : 0.f;
       float* o = row + b * G;
+#if WS_AVX2
+      const __m256 vs = _mm256_set1_ps(s), vm = _mm256_set1_ps(m);
+      __m128i lo, hi;   // the block's 32 codes in element order, 16 per register
+      if (int4) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w4 + n * (K / 2) + b * 16));
+        const __m128i l = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
+        const __m128i h = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
+        lo = _mm_unpacklo_epi8(l, h);
+        hi = _mm_unpackhi_epi8(l, h);
+      } else {
+        lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w8 + n * K + b * G));
+        hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w8 + n * K + b * G + 16));
+      }
+      const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+      for (int k = 0; k < 4; ++k) {
+        const __m256i v = int4 ? _mm256_cvtepu8_epi32(parts[k]) : _mm256_cvtepi8_epi32(parts[k]);
+        _mm256_storeu_ps(o + 8 * k, _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), vs, vm));
+      }
+      continue;
+#endif
       if (int4) {
         const uint8_t* q = w4 + n * (K / 2) + b * 16;
         for (int j = 0; j < 16; ++j) {
