@@ -14,14 +14,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from warmstart.paths import atomic_write_text
 
 log = logging.getLogger("warmstart")
 MARGIN = 1.10
@@ -75,9 +75,6 @@ def _measure(shapes: list[tuple[int, int]], repeats: int = 20) -> DtypeChoice:
 def _save(path: Path, choice: DtypeChoice) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".dtype-", dir=path.parent)
-        with os.fdopen(fd, "w") as f:
-            json.dump(asdict(choice), f)
-        os.replace(tmp, path)
+        atomic_write_text(path, json.dumps(asdict(choice)), durable=False)
     except OSError as e:          # a read-only cache measures again next time; the choice is still right
         log.warning("could not cache the dtype probe at %s: %s", path, e)

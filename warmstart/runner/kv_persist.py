@@ -13,12 +13,13 @@ import json
 import mmap
 import os
 import struct
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+
+from warmstart.paths import atomic_write
 
 FORMAT = "warmstart.prefix-cache.v1"
 _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
@@ -53,21 +54,8 @@ def write(path: Path, kv: torch.Tensor, blocks: list[int], key: dict, entries: l
     digest = hashlib.sha256(_bytes_of(data)).hexdigest()
     index = {"format": FORMAT, "key": key, "entries": entries, "data_sha256": digest}
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file({"kv": data}, tmp, metadata={"index": json.dumps(index, separators=(",", ":"))})
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dfd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    atomic_write(path, lambda tmp: save_file({"kv": data}, tmp,
+                                             metadata={"index": json.dumps(index, separators=(",", ":"))}))
     return path.stat().st_size
 
 

@@ -17,13 +17,13 @@ import logging
 import os
 import re
 import stat
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from warmstart.config import format_bytes
+from warmstart.paths import atomic_write_text
 from warmstart.startup.ledger import MemoryLedger
 
 log = logging.getLogger("warmstart.plan")
@@ -254,21 +254,7 @@ class PlanStore:
         doc = {"schema": PLAN_SCHEMA, "digest": key.digest, "key": key.components, "ledger": ledger.to_dict(),
                "created": time.time()}
         doc["checksum"] = _checksum(doc)
-        fd, tmp = tempfile.mkstemp(prefix=f".{key.digest}.", suffix=".tmp", dir=self.root)
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(json.dumps(doc, indent=1, sort_keys=True) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        dfd = os.open(self.root, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        atomic_write_text(path, json.dumps(doc, indent=1, sort_keys=True) + "\n")
         self._prune(keep=path)
         return path
 

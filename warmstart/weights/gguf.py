@@ -20,7 +20,7 @@ import gguf
 import numpy as np
 
 from warmstart.errors import UserError
-from warmstart.paths import warmstart_cache_dir
+from warmstart.paths import atomic_write_text, warmstart_cache_dir
 
 DEFAULT_MODEL_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 _DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -162,11 +162,7 @@ def _remember_source(folder: Path, sha: str, src: Path) -> None:
 
 
 def _write_json_atomically(path: Path, data: dict[str, Any]) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(data, indent=2) + "\n", durable=False)
 
 
 def _refuse_foreign_folder(target: Path) -> None:
