@@ -2,8 +2,10 @@
 
     python benchmarks/tensor_parallel.py [--new-tokens 16] [--out benchmarks/results/tensor_parallel.json]
 
-The default model (SmolLM2-135M, float: quantization none) has 9 attention heads and 3 KV heads, so it splits 3
-ways but not 2: TP=2 on it is refused (the refusal is recorded), and it runs at TP=1 and TP=3. For a TP=2 figure
+The default model (SmolLM2-135M) has 9 attention heads and 3 KV heads, so it splits 3 ways but not 2: TP=2 on it
+is refused (the refusal is recorded), and it runs at TP=1 and TP=3, both as float32 (quantization none) and as
+served by default (quantization auto: the GGUF's int4 linears and int8 embedding, each rank cutting the canonical
+codes before fusing; per-rank K of o_proj 192 and down_proj 512 are whole groups of 32). For a TP=2 figure
 the same shape with 8 heads of 72 and 2 KV heads (same hidden size, MLP width, layers and vocab; random weights) runs
 at TP=1 and TP=2. Every figure is a fresh process (rank 0; it launches its ranks), one run each, 1 thread per rank
 (--threads-per-rank 1) so TP=N uses N cores; on a 2-core host no speedup is expected.
@@ -30,7 +32,7 @@ def worker(a: dict) -> dict:
     from warmstart.startup.steps import StepTimer
     t0 = time.perf_counter()
     try:
-        llm = LLM(a["model"], timer=StepTimer.starting_now(), quantization="none", dtype="float32",
+        llm = LLM(a["model"], timer=StepTimer.starting_now(), quantization=a["quant"], dtype="float32",
                   tensor_parallel_size=a["tp"], threads_per_rank=1, kv_cache_memory=512 * 2**20,
                   max_model_len=128, startup_plan="off", max_num_seqs=64, cache_dir=a["cache"])
     except UserError as e:
@@ -93,27 +95,30 @@ def main() -> None:
         return
     from warmstart.paths import warmstart_cache_dir
     cache = Path(a.cache) if a.cache else warmstart_cache_dir()
-    runs = [("default", "default", 1), ("default", "default", 2), ("default", "default", 3),
-            ("smollm2-shaped-8h", str(shaped_8h(cache)), 1), ("smollm2-shaped-8h", str(shaped_8h(cache)), 2)]
+    shaped = str(shaped_8h(cache))
+    runs = [("default", "default", 1, "none"), ("default", "default", 2, "none"), ("default", "default", 3, "none"),
+            ("default", "default", 1, "auto"), ("default", "default", 3, "auto"),
+            ("smollm2-shaped-8h", shaped, 1, "none"), ("smollm2-shaped-8h", shaped, 2, "none")]
     results = []
-    for name, model, tp in runs:
-        arg = json.dumps({"model": model, "tp": tp, "n": a.new_tokens, "cache": str(cache)})
+    for name, model, tp, quant in runs:
+        arg = json.dumps({"model": model, "tp": tp, "n": a.new_tokens, "cache": str(cache), "quant": quant})
         r = subprocess.run([sys.executable, __file__, "--worker", arg], capture_output=True, text=True,
                            env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=1800)
         if r.returncode:
             res = {"error": r.stderr[-1500:]}
         else:
             res = json.loads(r.stdout.strip().splitlines()[-1])
-        res.update(model=name, tp=tp)
+        res.update(model=name, tp=tp, quantization=quant)
         results.append(res)
         print(json.dumps(res), flush=True)
-    print(f"\n{'model':<20}{'TP':>3}{'boot s':>9}{'b1 tok/s':>10}{'b32 tok/s':>11}{'AR ms/layer b1':>16}"
+    print(f"\n{'model':<20}{'quant':>6}{'TP':>3}{'boot s':>9}{'b1 tok/s':>10}{'b32 tok/s':>11}{'AR ms/layer b1':>16}"
           f"{'AR ms/layer b32':>17}")
     for r in results:
         if "refused" in r or "error" in r:
-            print(f"{r['model']:<20}{r['tp']:>3}   {('refused: ' + r['refused'][:90]) if 'refused' in r else 'error'}")
+            print(f"{r['model']:<20}{r['quantization']:>6}{r['tp']:>3}   "
+                  f"{('refused: ' + r['refused'][:90]) if 'refused' in r else 'error'}")
             continue
-        print(f"{r['model']:<20}{r['tp']:>3}{r['boot_s']:>9.2f}{r['b1']['tok_s']:>10.1f}{r['b32']['tok_s']:>11.1f}"
+        print(f"{r['model']:<20}{r['quantization']:>6}{r['tp']:>3}{r['boot_s']:>9.2f}{r['b1']['tok_s']:>10.1f}{r['b32']['tok_s']:>11.1f}"
               f"{r['b1']['allreduce_ms_per_layer_step']:>16.3f}{r['b32']['allreduce_ms_per_layer_step']:>17.3f}")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"host_cpus": os.cpu_count(), "load": os.getloadavg(), "runs": results},
