@@ -39,7 +39,7 @@ def build_tokenizer(out: Path, vocab_size: int = 384) -> None:
 
 def write_checkpoint(out: Path, family: str = "llama", *, layers: int = 2, hidden: int = 96, seed: int = 0,
                      dtype: str = "float32", vocab_size: int = 384, max_position: int = 512,
-                     extra: dict | None = None) -> Path:
+                     extra: dict | None = None, intermediate: int | None = None) -> Path:
     """A random-weight model of the given family saved with save_pretrained; returns the folder."""
     import torch
     import transformers
@@ -47,7 +47,7 @@ def write_checkpoint(out: Path, family: str = "llama", *, layers: int = 2, hidde
     out.mkdir(parents=True, exist_ok=True)
     build_tokenizer(out, vocab_size)
     cfg_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
-    cfg = cfg_cls(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 2 + 32,
+    cfg = cfg_cls(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate or hidden * 2 + 32,
                   num_hidden_layers=layers, max_position_embeddings=max_position, rms_norm_eps=1e-6,
                   bos_token_id=None, eos_token_id=2, pad_token_id=0, **{**overrides, **(extra or {})})
     torch.manual_seed(seed)

@@ -32,7 +32,7 @@ from warmstart.startup.report import StartupReport, WeightsOutcome
 from warmstart.startup.steps import StepTimer
 from warmstart.tokenizer import Tokenizer
 from warmstart.weights.loader import DTYPES, bind_weights, materialize_buffers
-from warmstart.weights.source import load_weights
+from warmstart.weights.source import LoadedWeights, load_weights
 
 log = logging.getLogger("warmstart")
 
@@ -89,13 +89,62 @@ def resolve_dtype(requested: str, facts: DeviceFacts, spec: ModelSpec | None = N
     return DTYPES[choice.dtype]
 
 
+@dataclass
+class Shard:
+    """One rank's boot up to its allocated KV cache (a single-device boot is rank 0 of 1)."""
+    model_dir: Path
+    spec: ModelSpec
+    tokenizer: Tokenizer
+    device: object
+    facts: DeviceFacts
+    dtype: torch.dtype
+    kv_dtype: torch.dtype
+    max_model_len: int
+    planner: MemoryPlanner
+    runner: ModelRunner
+    own_ledger: MemoryLedger            # what this rank measured (saved in its plan)
+    ledger: MemoryLedger                # what it allocated (under TP: the minimum over ranks)
+    loaded_tensors: dict
+    weights_outcome: WeightsOutcome
+    thread_settings: object
+    draft_runner: ModelRunner | None = None   # speculative decoding's draft model (single device only)
+    draft_loaded: LoadedWeights | None = None
+    group: object = None                # parallel.launcher.RankGroup under TP
+    blocks_per_rank: list | None = None
+
+
 def boot(config: EngineConfig, timer: StepTimer | None = None) -> Booted:
     timer = timer or StepTimer.starting_now()
+    try:
+        return _boot_engine(config, timer, boot_shard(config, timer))
+    except BaseException:
+        _close_group(config)
+        raise
+
+
+def boot_shard(config: EngineConfig, timer: StepTimer, group=None) -> Shard:
+    """config -> tokenizer -> weights -> memory -> KV allocation, for one rank. Under TP (world_size > 1) rank 0
+    launches the other ranks here (group None) and every rank binds its shard; the KV block count is agreed."""
+    tp = config.world_size > 1
+    if tp and group is None and config.rank != 0:
+        raise UserError(f"rank {config.rank} of {config.world_size} is started by rank 0 (`--tensor-parallel-size "
+                        f"{config.world_size}` launches every rank), or by hand as `python -m "
+                        "warmstart.parallel.worker` with torchrun's environment; not by booting it directly.")
     with timer.step("config"):
-        thread_settings = threads.configure(config.threads)
+        if tp:
+            from warmstart.parallel.launcher import threads_per_rank
+            thread_settings = threads.configure(threads_per_rank(config))
+        else:
+            thread_settings = threads.configure(config.threads)
         model_dir = resolve_model_dir(config.model, config.cache_dir)
         spec = ModelSpec.from_dir(model_dir)
-        device = get_device(config.device_kind, _device_index(config.device))
+        shard_cut = None
+        if tp:
+            from warmstart.weights.shard import ShardCut, check_divisible
+            check_divisible(spec, config.world_size)
+            shard_cut = ShardCut(spec, config.rank, config.world_size)
+        device_index = config.rank if tp and config.device_kind == "cuda" else _device_index(config.device)
+        device = get_device(config.device_kind, device_index)
         facts = device.facts()
         free_at_boot = device.free_bytes()
         dtype = resolve_dtype(config.dtype, facts, spec, config.cache_dir)
@@ -113,49 +162,92 @@ def boot(config: EngineConfig, timer: StepTimer | None = None) -> Booted:
         # The plan key is built here, from the user's config and device facts, before anything is derived.
         planner = MemoryPlanner(config, device, facts, plan_key(config, model_dir, spec, facts, draft_dir),
                                 PlanStore(config.cache_dir / "plans"), free_at_boot)
+    if tp and group is None:
+        with timer.step("ranks"):
+            from warmstart.parallel import launcher
+            group = launcher.start(config)
     with timer.step("tokenizer"):
         tokenizer = Tokenizer(model_dir)
         # Runtime overhead: what the process holds before any weight arrives (interpreter, torch, tokenizer).
         overhead = round_up(device.process_bytes(), OVERHEAD_QUANTUM) if device.kind == "cpu" else 0
     with timer.step("weights"):
         charges = ExternalCharges()           # one for every role: a daemon serving both is charged once
+        # A rank's daemon (its own socket) serves its shard already; a disk load is cut the same way.
         loaded = load_weights(model_dir, dtype, device.torch_device(), role="target", config=config,
-                              charges=charges)
-        model = _bind_model(spec, loaded, device)
-        runner = ModelRunner(model, device.torch_device(), kv_dtype)
+                              charges=charges, shard=shard_cut)
+        model = _bind_model(spec, loaded.tensors, device, config.world_size)
+        runner = _runner_class(config)(model, device.torch_device(), kv_dtype)
+        if tp:
+            runner.group = group
         draft_runner = draft_loaded = None
         if draft_dir is not None:
             # Its own daemon socket (role draft); load format, mode and fallback policy as for the target.
             draft_loaded = load_weights(draft_dir, dtype, device.torch_device(), role="draft",
                                         config=config.replace(weight_socket=config.draft_weight_socket),
                                         charges=charges)
-            draft_runner = ModelRunner(_bind_model(draft_spec, draft_loaded, device), device.torch_device(),
-                                       kv_dtype)
+            draft_runner = ModelRunner(_bind_model(draft_spec, draft_loaded.tensors, device),
+                                       device.torch_device(), kv_dtype)
         weights_outcome = WeightsOutcome(loaded.source, loaded.fallback_reason, tuple(charges.entries()))
     with timer.step("memory profile"):
         owned = loaded.owned_bytes + (draft_loaded.owned_bytes if draft_loaded else 0)
         if draft_runner is not None:
             planner.extra_kv_block_bytes = draft_runner.kv_block_bytes(config.block_size)
-        ledger = planner.plan(runner, owned, charges.total_bytes, overhead, max_model_len)
+        if tp:
+            # Each rank profiles its own shard, alone: the all-reduces are skipped (a plan may hit on one rank
+            # and miss on another, and an in-place all-reduce allocates nothing the profile must count).
+            from warmstart.parallel.sharding import no_collectives
+            with no_collectives():
+                own = planner.plan(runner, owned, charges.total_bytes, overhead, max_model_len)
+        else:
+            own = planner.plan(runner, owned, charges.total_bytes, overhead, max_model_len)
         if draft_runner is not None:
             draft_charged = sum(e["bytes"] for e in charges.entries() if e["role"] == "draft")
-            ledger = replace(ledger, draft_weights_bytes=draft_loaded.owned_bytes + draft_charged,
-                             draft_kv_cache_bytes=ledger.num_kv_blocks * planner.extra_kv_block_bytes)
+            own = replace(own, draft_weights_bytes=draft_loaded.owned_bytes + draft_charged,
+                          draft_kv_cache_bytes=own.num_kv_blocks * planner.extra_kv_block_bytes)
+    ledger, blocks = own, None
+    if tp:
+        # Waits for the slowest rank: every rank's block tables come from rank 0's scheduler.
+        with timer.step("rank agreement"):
+            from warmstart.parallel.launcher import agree_blocks
+            ledger, blocks = agree_blocks(group, own)
     with timer.step("kv allocation"):
         _check_fits(ledger, max_model_len, config)
         runner.allocate_kv(ledger.num_kv_blocks, ledger.block_size)
-        proposer = None
         if draft_runner is not None:
             draft_runner.allocate_kv(ledger.num_kv_blocks, ledger.block_size)
-            proposer = DraftProposer(draft_runner)
-        elif config.spec_method == "ngram":
-            proposer = NgramProposer()
+    return Shard(model_dir, spec, tokenizer, device, facts, dtype, kv_dtype, max_model_len, planner, runner, own,
+                 ledger, loaded.tensors, weights_outcome, thread_settings, draft_runner, draft_loaded, group, blocks)
+
+
+def finish_shard(shard: Shard, timer: StepTimer) -> StartupReport:
+    """After warm-up: verify or save this rank's plan and build its report."""
+    resident = ResidentCheck.measure(shard.device, shard.own_ledger)
+    plan = shard.planner.finish(shard.runner, shard.own_ledger, shard.max_model_len, resident)
+    log.info("%s\n  %s", shard.ledger.table(), resident.describe())
+    extra = {"resident": resident.to_dict(), "threads": shard.thread_settings.to_dict(),
+             "dtype": str(shard.dtype).removeprefix("torch."),
+             "quantization": _quantization_summary(shard.loaded_tensors, shard.planner.config.quantization)}
+    return StartupReport(timer.wall_seconds, timer.to_list(), plan, shard.ledger, shard.weights_outcome,
+                         extra=extra)
+
+
+def _boot_engine(config: EngineConfig, timer: StepTimer, shard: Shard) -> Booted:
+    """Rank 0 (or the single device): the engine over the booted shard, prefix restore, warm-up, report."""
+    runner, ledger, spec, max_model_len = shard.runner, shard.ledger, shard.spec, shard.max_model_len
+    proposer = None
+    if shard.draft_runner is not None:
+        proposer = DraftProposer(shard.draft_runner)
+    elif config.spec_method == "ngram":
+        proposer = NgramProposer()
     engine = Engine(runner, SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, max_model_len),
-                    ledger.num_kv_blocks, ledger.block_size, spec.vocab_size, spec.eos_token_ids, tokenizer.decode,
-                    enable_prefix_caching=config.enable_prefix_caching, proposer=proposer,
+                    ledger.num_kv_blocks, ledger.block_size, spec.vocab_size, spec.eos_token_ids,
+                    shard.tokenizer.decode, enable_prefix_caching=config.enable_prefix_caching, proposer=proposer,
                     num_speculative_tokens=config.num_speculative_tokens)
     with timer.step("prefix restore"):
-        prefix = PrefixStore.for_boot(config, model_dir, spec, facts, dtype, kv_dtype)
+        # Under TP the cache is split over ranks and the store holds one process's blocks: not persisted (the
+        # in-memory prefix cache works as on one device).
+        prefix = None if config.world_size > 1 else PrefixStore.for_boot(config, shard.model_dir, spec, shard.facts,
+                                                                          shard.dtype, shard.kv_dtype)
         restored = prefix.restore(runner, engine.blocks) if prefix else PrefixOutcome("off")
     with timer.step("warm-up"):
         compile_info = None
@@ -163,27 +255,59 @@ def boot(config: EngineConfig, timer: StepTimer | None = None) -> Booted:
             # After profiling: Dynamo skipped frames it first saw under the peak tracker (a torch mode), and the
             # eager peak bounds the compiled one (fusion only removes intermediates).
             from warmstart.runner.compile import compile_model
-            compile_info = compile_model(model, config.cache_dir / "compile" / compile_key(config, spec, facts))
+            compile_info = compile_model(runner.model,
+                                         config.cache_dir / "compile" / compile_key(config, spec, shard.facts))
         _warm_up(engine)
     with timer.step("ready"):
-        resident = ResidentCheck.measure(device, ledger)
-        plan = planner.finish(runner, ledger, max_model_len, resident)
-        log.info("%s\n  %s", ledger.table(), resident.describe())
-    extra = {"resident": resident.to_dict(), "threads": thread_settings.to_dict(),
-             "dtype": str(dtype).removeprefix("torch."),
-             "quantization": _quantization_summary(loaded.tensors, config.quantization),
-             "prefix_restore": restored.to_dict(), "speculative": _speculative_summary(engine, draft_loaded)}
+        if shard.group is not None:
+            shard.group.send(("report",))
+        report = finish_shard(shard, timer)
+        if shard.group is not None:
+            ranks = shard.group.all_gather(report.to_dict())
+            report.extra["tensor_parallel"] = {"world_size": config.world_size,
+                                               "kv_blocks_per_rank": shard.blocks_per_rank,
+                                               "kv_blocks": ledger.num_kv_blocks,
+                                               "worker_pids": [p.pid for p in shard.group.procs.values()],
+                                               "ranks": ranks}
+    report.extra["prefix_restore"] = restored.to_dict()
+    report.extra["speculative"] = _speculative_summary(engine, shard.draft_loaded)
     if compile_info:
-        extra["compile"] = compile_info.snapshot()
-    report = StartupReport(timer.wall_seconds, timer.to_list(), plan, ledger, weights_outcome, extra=extra)
+        report.extra["compile"] = compile_info.snapshot()
+    # The report again, now that the ready step has ended: its steps tile the wall clock.
+    report = StartupReport(timer.wall_seconds, timer.to_list(), report.plan, report.memory, report.weights,
+                           extra=report.extra)
     log.info("startup steps:\n%s", timer.table())
-    return Booted(config, model_dir, spec, tokenizer, runner, engine, ledger, report, max_model_len, prefix)
+    return Booted(config, shard.model_dir, spec, shard.tokenizer, runner, engine, ledger, report, max_model_len,
+                  prefix)
 
 
-def _bind_model(spec: ModelSpec, loaded, device):
+def _runner_class(config: EngineConfig) -> type[ModelRunner]:
+    if config.world_size == 1:
+        return ModelRunner
+    from warmstart.parallel.runner import DistributedRunner, ShardRunner
+    return DistributedRunner if config.rank == 0 else ShardRunner
+
+
+def _close_group(config: EngineConfig) -> None:
+    if config.world_size > 1:
+        from warmstart.parallel import launcher
+        group = launcher.current()
+        if group is not None:
+            group.close()
+
+
+def _bind_model(spec: ModelSpec, tensors: dict[str, torch.Tensor], device, world_size: int = 1):
+    """Build on meta, bind the (this rank's) tensors; under TP the model has this rank's shape and its o_proj and
+    down_proj all-reduce."""
+    if world_size > 1:
+        from warmstart.weights.shard import local_spec
+        spec = local_spec(spec, world_size)
     with torch.device("meta"):
         model = build_model(spec)
-    bind_weights(model, loaded.tensors, model.tied_weights())
+    bind_weights(model, tensors, model.tied_weights())
+    if world_size > 1:
+        from warmstart.parallel.sharding import make_row_parallel
+        make_row_parallel(model)
     materialize_buffers(model, device.torch_device())
     return model.eval()
 

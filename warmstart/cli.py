@@ -60,6 +60,17 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
                    help="CPU threads for the model (default: the cores this process may use, from its affinity "
                         "mask and cgroup quota). Idle threads wait passively (OMP_WAIT_POLICY=PASSIVE) unless the "
                         "environment sets OMP_WAIT_POLICY")
+    g = p.add_argument_group("tensor parallel")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="shard the model over N ranks (processes this command launches; gloo on CPU, NCCL on "
+                        "CUDA with one GPU per rank); quantized weights are cut per rank before fusion (default 1)")
+    g.add_argument("--threads-per-rank", type=int, default=None,
+                   help="CPU threads of each rank (default: the available cores split evenly over the ranks)")
+    g.add_argument("--master-addr", default=_D["master_addr"],
+                   help="address rank 0 listens on for the rendezvous (torchrun's MASTER_ADDR; default 127.0.0.1)")
+    g.add_argument("--master-port", type=int, default=_D["master_port"],
+                   help="rendezvous port (torchrun's MASTER_PORT; default: a free port)")
+    g = p.add_argument_group("engine")
     g.add_argument("--cache-dir", default=None,
                    help=f"plans, imported models and the compiler cache (default {warmstart_cache_dir()}, "
                         "or $WARMSTART_CACHE_DIR)")
@@ -108,7 +119,10 @@ def config_from_args(args: argparse.Namespace, model: str | None = None) -> Engi
               weight_fallback=args.weight_fallback == "on", enable_prefix_caching=args.enable_prefix_caching,
               prefix_cache_persist=args.prefix_cache_persist, draft_model=args.draft_model,
               num_speculative_tokens=args.num_speculative_tokens, speculative_method=args.speculative_method,
-              draft_weight_socket=args.draft_weight_socket)
+              draft_weight_socket=args.draft_weight_socket, world_size=args.tensor_parallel_size,
+              master_addr=args.master_addr, master_port=args.master_port)
+    if args.tensor_parallel_size > 1 and args.threads_per_rank is not None:
+        kw["threads"] = args.threads_per_rank
     if args.cache_dir:
         kw["cache_dir"] = args.cache_dir
     return EngineConfig(**kw)
@@ -185,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Before anything imports torch: its OpenMP runtime reads the wait policy once, when it loads.
     from warmstart import threads
-    threads.configure(getattr(args, "threads", None))
+    tp = getattr(args, "tensor_parallel_size", 1) or 1
+    threads.configure(getattr(args, "threads_per_rank", None) if tp > 1 else getattr(args, "threads", None))
     try:
         return args.func(args) or 0
     except KeyboardInterrupt:

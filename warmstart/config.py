@@ -81,9 +81,13 @@ class EngineConfig:
     # prefix cache: reuse cached full KV blocks across requests, and keep the hottest across a restart
     enable_prefix_caching: bool = True
     prefix_cache_persist: int = 64 * 2**20    # bytes of cached KV written at graceful shutdown; 0 disables save+restore
-    # parallelism (single process today; part of every key so that plans never cross ranks)
+    # tensor parallelism (warmstart/parallel/): world_size is --tensor-parallel-size; rank and world size are part
+    # of every key so that plans never cross ranks. Under TP, `threads` is per rank (--threads-per-rank).
     rank: int = 0
     world_size: int = 1
+    master_addr: str = "127.0.0.1"            # rank 0's rendezvous address (torchrun's MASTER_ADDR)
+    master_port: int = 0                      # 0: a free port, chosen by rank 0
+    tp_timeout: float = 600.0                 # seconds a collective may wait for a peer before it fails
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cache_dir", Path(self.cache_dir).expanduser())
@@ -133,6 +137,15 @@ class EngineConfig:
         _check(self.num_speculative_tokens == 0 or self.spec_method is not None,
                "--num-speculative-tokens needs a proposer: --speculative-model PATH or --speculative-method ngram.")
         _check(0 <= self.rank < self.world_size, f"rank {self.rank} is outside world size {self.world_size}.")
+        _check(1 <= self.world_size <= 1024, f"--tensor-parallel-size must be between 1 and 1024, got "
+               f"{self.world_size}.")
+        if self.world_size > 1:
+            _check(not self.compile, "--compile is not supported with --tensor-parallel-size > 1 yet; drop one.")
+            _check(self.spec_method is None, f"Speculative decoding (--speculative-"
+                   f"{'model' if self.spec_method == 'draft' else 'method ngram'}) is not supported with "
+                   f"--tensor-parallel-size {self.world_size} yet: drop --tensor-parallel-size, or drop "
+                   "--speculative-model/--speculative-method and --num-speculative-tokens.")
+            _check(0 <= self.master_port <= 65535, f"--master-port must be a TCP port, got {self.master_port}.")
 
     @property
     def spec_method(self) -> str | None:

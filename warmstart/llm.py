@@ -33,9 +33,15 @@ class GenerationOutput:
 class LLM:
     """A booted engine in this process. Keyword arguments are EngineConfig fields (dtype, max_model_len, ...)."""
 
-    def __init__(self, model: str, *, timer: StepTimer | None = None, **engine_args):
+    def __init__(self, model: str, *, timer: StepTimer | None = None, tensor_parallel_size: int | None = None,
+                 threads_per_rank: int | None = None, **engine_args):
+        """tensor_parallel_size=N launches N-1 rank processes (warmstart/parallel/); close() stops them."""
         if "speculative_model" in engine_args:          # the CLI's name for EngineConfig.draft_model
             engine_args["draft_model"] = engine_args.pop("speculative_model")
+        if tensor_parallel_size is not None:
+            engine_args["world_size"] = tensor_parallel_size
+        if threads_per_rank is not None:
+            engine_args["threads"] = threads_per_rank
         self._attach(boot(EngineConfig(model=model, **engine_args), timer))
 
     @classmethod
@@ -58,7 +64,12 @@ class LLM:
             return None
         self._closed = True
         b = self.booted
-        return b.prefix.save(b.runner, b.engine.blocks) if b.prefix else None
+        try:
+            return b.prefix.save(b.runner, b.engine.blocks) if b.prefix else None
+        finally:
+            group = getattr(b.runner, "group", None)
+            if group is not None:
+                group.close()
 
     def __enter__(self) -> "LLM":
         return self

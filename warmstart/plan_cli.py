@@ -79,7 +79,21 @@ def cmd_explain(args) -> int:
         return 0
     model_dir = resolve_model_dir(config.model, config.cache_dir)
     spec = ModelSpec.from_dir(model_dir)
-    device = get_device(config.device_kind)
+    if config.world_size > 1:
+        # One plan per rank (each rank profiles its own shard): a boot skips profiling only if every rank hits.
+        for rank in range(config.world_size):
+            print(f"rank {rank}/{config.world_size}: ", end="")
+            _explain_one(config.replace(rank=rank), model_dir, spec)
+        return 0
+    return _explain_one(config, model_dir, spec)
+
+
+def _explain_one(config, model_dir, spec) -> int:
+    from warmstart.keys import plan_key
+    from warmstart.planning import MemoryPlanner
+    from warmstart.startup.device import get_device
+    index = config.rank if config.world_size > 1 and config.device_kind == "cuda" else 0
+    device = get_device(config.device_kind, index)
     facts = device.facts()
     key = plan_key(config, model_dir, spec, facts)
     planner = MemoryPlanner(config, device, facts, key, PlanStore(config.cache_dir / "plans"), device.free_bytes())
@@ -113,7 +127,8 @@ def _daemon_charge(config, model_dir, device, facts) -> tuple[int, str | None]:
     from warmstart.weights import client
     from warmstart.weights.manifest import build_cache_key
     from warmstart.weights.transport import device_id
-    path = client.resolve_socket(config.weight_socket, device.torch_device(), "target")
+    path = client.resolve_socket(config.weight_socket, device.torch_device(), "target", config.rank,
+                                 config.world_size)
     if not os.path.lexists(path):
         return 0, None
     try:

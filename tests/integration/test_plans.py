@@ -104,7 +104,7 @@ def test_cpu_plan_that_does_not_fit_in_free_memory_fails_clearly(model, tmp_path
 
 @pytest.mark.parametrize("change,field", [
     ({"dtype": "bfloat16"}, "dtype"), ({"max_model_len": 128}, "max_model_len"), ({"block_size": 32}, "block_size"),
-    ({"world_size": 2, "rank": 1}, "rank"), ({"max_num_seqs": 8}, "max_num_seqs"),
+    ({"world_size": 2, "threads": 1}, "world_size"), ({"max_num_seqs": 8}, "max_num_seqs"),
 ])
 def test_each_key_change_misses_and_names_the_field(model, tmp_path, change, field):
     base = {"memory_utilization": 0.05}
@@ -112,6 +112,9 @@ def test_each_key_change_misses_and_names_the_field(model, tmp_path, change, fie
     r = boot(tmp_path, model, n=0, **base, **change)
     assert r["report"]["plan"]["status"] == "miss"
     assert any(x.startswith(field + " ") for x in r["report"]["plan"]["reasons"]), r["report"]["plan"]
+    if "world_size" in change:        # a real TP=2 boot (issue 11): rank 1's plan misses too, naming its rank
+        rank1 = r["report"]["tensor_parallel"]["ranks"][1]["plan"]
+        assert rank1["status"] == "miss" and any(x.startswith("rank ") for x in rank1["reasons"]), rank1
 
 
 def test_version_and_weight_content_changes_miss(tmp_path):

@@ -100,6 +100,9 @@ class _Launch:
                 return
             self.engine = AsyncEngine(booted.engine, loop, on_step=self.state.metrics.on_step)
             self.booted = booted
+        group = getattr(booted.runner, "group", None)
+        if group is not None:                   # tensor parallel: a dead rank ends the server, non-zero
+            group.on_failure.append(lambda message: loop.call_soon_threadsafe(self._rank_failed, message))
         parsers = self.state.options.parsers(booted.tokenizer.chat_template, booted.model_dir)
         serving = ServingContext(booted, self.engine, self.state.model_name, self.state.metrics, **parsers)
         loop.call_soon_threadsafe(self._ready, serving)
@@ -112,6 +115,10 @@ class _Launch:
                f"startup {serving.booted.report.wall_seconds:.2f} s)")
         log.info("%s", msg)
         print(msg, flush=True)
+
+    def _rank_failed(self, message: str) -> None:
+        print(f"error: {message}; the server stops", file=sys.stderr, flush=True)
+        self._fail(1)
 
     def _fail(self, code: int) -> None:
         self.exit_code = code

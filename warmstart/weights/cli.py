@@ -12,6 +12,8 @@ from warmstart.errors import UserError
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.tensor_parallel_size > 1:
+        return _serve_ranks(args)
     import torch
 
     # The CLI is a composition root: it resolves the model and dtype with the boot's own functions, so that a
@@ -33,6 +35,46 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           Path(args.socket_dir) if args.socket_dir else None, rank=args.rank,
                           world_size=args.world_size, quantization=args.quantization)
     return daemon.run()
+
+
+def _serve_ranks(args: argparse.Namespace) -> int:
+    """`--tensor-parallel-size N`: one daemon per rank (`--rank r --world-size N`), each serving its shard on its
+    own socket (`<device>-<role>.tp<N>r<r>.sock`). This process supervises them: SIGTERM/SIGINT is passed on; a daemon
+    that is stopped (`weights stop`) leaves the others serving (that rank's engines fall back to disk), one that
+    fails stops them all; it exits when they all have, with the first non-zero code."""
+    import signal
+    import subprocess
+    import time
+    n = args.tensor_parallel_size
+    argv = [sys.executable, "-m", "warmstart", "weights", "serve", args.model, "--dtype", args.dtype,
+            "--quantization", args.quantization, "--role", args.role, "--world-size", str(n)]
+    for flag, value in (("--socket-dir", args.socket_dir), ("--cache-dir", args.cache_dir)):
+        if value:
+            argv += [flag, value]
+    procs = []
+    for r in range(n):
+        device = args.device
+        if device.startswith("cuda") and ":" not in device:
+            device = f"cuda:{r}"
+        procs.append(subprocess.Popen(argv + ["--rank", str(r), "--device", device]))
+    stopping = []
+
+    def forward(signum, frame):
+        stopping.append(signum)
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    code = 0
+    while any(p.poll() is None for p in procs):
+        for r, p in enumerate(procs):
+            if p.poll() not in (None, 0) and not stopping:
+                code = code or p.returncode
+                print(f"weight daemon for rank {r} exited ({p.returncode}); stopping the others", file=sys.stderr)
+                forward(signal.SIGTERM, None)
+        time.sleep(0.2)
+    return code or next((p.returncode for p in procs if p.returncode), 0)
 
 
 def _sockets(args: argparse.Namespace) -> list[Path]:
@@ -110,6 +152,10 @@ def register_cli(sub) -> None:
                    help="directory for the socket (default $XDG_RUNTIME_DIR/warmstart or /tmp/warmstart-<uid>)")
     s.add_argument("--rank", type=int, default=0, help="parallel rank these weights are for (default 0)")
     s.add_argument("--world-size", type=int, default=1, help="parallel world size (default 1)")
+    s.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="serve each of N tensor-parallel ranks' shards from its own daemon and socket (the same "
+                        "cut as the engine's, quantized included); engines started with --tensor-parallel-size N "
+                        "attach rank by rank")
     s.add_argument("--cache-dir", default=None, help="where .gguf imports are cached")
     s.set_defaults(func=cmd_serve)
 

@@ -61,11 +61,13 @@ class Attached:
     mode: str
 
 
-def resolve_socket(explicit: str | None, device: torch.device, role: str) -> Path:
-    """--weight-socket as given, else `<default socket dir>/<device>-<role>.sock`."""
+def resolve_socket(explicit: str | None, device: torch.device, role: str, rank: int = 0,
+                   world_size: int = 1) -> Path:
+    """--weight-socket as given, else `<default socket dir>/<device>-<role>.sock`; under tensor parallelism, the
+    rank's own socket next to it (protocol.rank_socket)."""
     if explicit:
-        return Path(os.path.abspath(os.path.expanduser(explicit)))
-    return P.socket_path(P.default_socket_dir(), T.device_id(device), role)
+        return P.rank_socket(Path(os.path.abspath(os.path.expanduser(explicit))), rank, world_size)
+    return P.socket_path(P.default_socket_dir(), T.device_id(device), role, rank, world_size)
 
 
 class DaemonSession:

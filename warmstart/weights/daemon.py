@@ -76,7 +76,8 @@ class WeightDaemon:
         self.model_dir, self.dtype, self.device, self.role = model_dir, dtype, torch.device(device), role
         self.socket_dir = P.ensure_socket_dir(socket_dir)
         self.device_id = T.device_id(self.device)
-        self.socket_path = P.socket_path(self.socket_dir, self.device_id, role)
+        self.rank, self.world_size = rank, world_size
+        self.socket_path = P.socket_path(self.socket_dir, self.device_id, role, rank, world_size)
         self.key: CacheKey = build_cache_key(model_dir, dtype, role, self.device_id, rank=rank,
                                              world_size=world_size, quantization=quantization)
         self._lock_fd = -1
@@ -102,7 +103,16 @@ class WeightDaemon:
             os.unlink(self.socket_path)
         # Load on the CPU even for a CUDA daemon: load_tensors converts dtype on the CPU before moving anyway, so the
         # bytes are the disk path's, and the GPU never holds the weights twice while they are packed.
-        tensors = load_tensors(self.model_dir, self.dtype, "cpu", progress=False, quantization=self.quantization)
+        shard = None
+        if self.world_size > 1:
+            # This rank's shard, cut exactly as the engine's disk path cuts it (weights/shard.py).
+            from warmstart.models.spec import ModelSpec
+            from warmstart.weights.shard import ShardCut, check_divisible
+            spec = ModelSpec.from_dir(self.model_dir)
+            check_divisible(spec, self.world_size)
+            shard = ShardCut(spec, self.rank, self.world_size)
+        tensors = load_tensors(self.model_dir, self.dtype, "cpu", progress=False, quantization=self.quantization,
+                               shard=shard)
         weight_bytes = weights_nbytes(tensors)
         if self.device.type == "cpu":
             self._fds, sizes, entries = T.build_memfd_regions(tensors, self.key.role)

@@ -8,6 +8,7 @@ import hashlib
 import json
 import struct
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -70,10 +71,12 @@ def checkpoint_identity(model_dir: Path) -> list[dict]:
 
 
 def load_tensors(model_dir: Path, dtype: torch.dtype, device: torch.device | str = "cpu",
-                 progress: bool = True, quantization: str = "auto") -> dict[str, torch.Tensor]:
+                 progress: bool = True, quantization: str = "auto",
+                 shard: Callable[[dict], dict] | None = None) -> dict[str, torch.Tensor]:
     """Every checkpoint tensor, converted to dtype (floating tensors only), quantized or dequantized per
-    `quantization` (weights/quantize.py), and placed on device. A tensor already in dtype on CPU that needs no
-    post-processing is returned as an mmap-backed view: no copy, pages fault in on first use."""
+    `quantization` (weights/quantize.py), cut to one tensor-parallel rank's shard by `shard` (weights/shard.py),
+    and placed on device. A tensor already in dtype on CPU that needs no post-processing is returned as an
+    mmap-backed view: no copy, pages fault in on first use."""
     files = checkpoint_files(model_dir)
     out: dict[str, torch.Tensor] = {}
     # tqdm's delay shows the bar only when loading is slow enough to need one.
@@ -97,7 +100,9 @@ def load_tensors(model_dir: Path, dtype: torch.dtype, device: torch.device | str
     if quantization != "none" or checkpoint_kind(out) == "quantized":
         if str(device) != "cpu" and resolve(quantization, out) != "none":
             raise UserError("Quantized weights run on CPU kernels only; on a GPU use --quantization none.")
-        out = postprocess(out, dtype, quantization)
+        out = postprocess(out, dtype, quantization, shard)
+    elif shard is not None:
+        out = shard(out)
     return {n: t.to(device) for n, t in out.items()} if str(device) != "cpu" else out
 
 

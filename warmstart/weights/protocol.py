@@ -177,15 +177,24 @@ def socket_dir_problem(path: Path) -> str | None:
     return _ownership_problem(path, stat.S_ISDIR, "a directory", "does not exist")
 
 
-def socket_path(socket_dir: Path, device_id: str, role: str) -> Path:
-    """The one socket for this device and role; UserError if it would not fit in sun_path."""
+def socket_path(socket_dir: Path, device_id: str, role: str, rank: int = 0, world_size: int = 1) -> Path:
+    """The one socket for this device and role (and tensor-parallel rank); UserError if it would not fit in
+    sun_path."""
     if role not in ROLES:
         raise UserError(f"--role {role!r} is not one of {', '.join(ROLES)}.")
-    path = Path(os.path.abspath(socket_dir)) / f"{device_id}-{role}.sock"
+    path = rank_socket(Path(os.path.abspath(socket_dir)) / f"{device_id}-{role}.sock", rank, world_size)
     if len(os.fsencode(path)) > SUN_PATH_MAX:
         raise UserError(f"The weight socket path {path} is longer than {SUN_PATH_MAX} bytes, the Unix socket "
                         "limit. Pass a shorter --socket-dir (or set XDG_RUNTIME_DIR to a short directory).")
     return path
+
+
+def rank_socket(path: Path, rank: int, world_size: int) -> Path:
+    """Under tensor parallelism each rank's shard has its own socket: `<name>.tp<N>r<rank>.sock`."""
+    if world_size == 1:
+        return Path(path)
+    path = Path(path)
+    return path.with_name(f"{path.name.removesuffix('.sock')}.tp{world_size}r{rank}.sock")
 
 
 def socket_problem(path: Path) -> str | None:

@@ -10,6 +10,8 @@ The output is always kernel-ready (models/quant.prepare), so a weight daemon ser
 A tied embedding is quantized once, under the embedding's name, and the LM head shares it."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from warmstart.errors import UserError
@@ -35,9 +37,25 @@ def resolve(requested: str, names) -> str:
     return requested
 
 
-def postprocess(tensors: dict[str, torch.Tensor], dtype: torch.dtype, quantization: str) -> dict[str, torch.Tensor]:
-    """Checkpoint tensors (floats already in dtype) -> the bound set, per resolve(quantization)."""
+def postprocess(tensors: dict[str, torch.Tensor], dtype: torch.dtype, quantization: str,
+                shard: Callable[[dict], dict] | None = None) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors (floats already in dtype) -> the bound set, per resolve(quantization). `shard` (a
+    tensor-parallel rank's cut, weights/shard.py) applies to the canonical tensors: after quantizing, before the
+    kernel's preparation and the fusion, so each rank fuses its own shard."""
     mode = resolve(quantization, tensors.keys())
+    out = canonical(tensors, dtype, mode)
+    if shard is not None:
+        out = shard(out)
+    if mode == "none":
+        return out
+    for p in sorted({n[:-len(".qweight")] for n in out if n.endswith(".qweight")}):
+        part = {k: out.pop(f"{p}.{k}") for k in ("qweight", "scales", "mins") if f"{p}.{k}" in out}
+        out.update({f"{p}.{k}": v for k, v in quant.prepare(part).items()})
+    return fuse(out)
+
+
+def canonical(tensors: dict[str, torch.Tensor], dtype: torch.dtype, mode: str) -> dict[str, torch.Tensor]:
+    """Floats in dtype and quantized linears in their canonical (ISA-independent, unfused) form, per mode."""
     prefixes = sorted({n[:-len(".qweight")] for n in tensors if n.endswith(".qweight")})
     out = {n: t for n, t in tensors.items() if not _is_quant_part(n, prefixes)}
     if mode == "none":
@@ -46,17 +64,15 @@ def postprocess(tensors: dict[str, torch.Tensor], dtype: torch.dtype, quantizati
             out[f"{p}.weight"] = quant.dequantize(part).to(dtype)
         return out
     if mode == "native":
-        for p in prefixes:
-            part = {k: tensors[f"{p}.{k}"] for k in ("qweight", "scales", "mins") if f"{p}.{k}" in tensors}
-            out.update({f"{p}.{k}": v for k, v in quant.prepare(part).items()})
-        return fuse(out)
+        out.update({n: t for n, t in tensors.items() if _is_quant_part(n, prefixes)})
+        return out
     for name in [n for n in out if _quantizable(n, out)]:
         w = out.pop(name)
         prefix = name[:-len(".weight")]
         int4 = mode == "int4" and prefix not in ("lm_head", EMBED) and w.shape[1] % quant.GROUP_SIZE == 0
         part = quant.quantize_int4(w) if int4 else quant.quantize_int8(w)
-        out.update({f"{prefix}.{k}": v for k, v in quant.prepare(part).items()})
-    return fuse(out)
+        out.update({f"{prefix}.{k}": v for k, v in part.items()})
+    return out
 
 
 FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),

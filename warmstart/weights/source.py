@@ -25,6 +25,7 @@ import torch
 from warmstart.errors import UserError
 from warmstart.weights.charges import ExternalCharges
 from warmstart.weights.loader import load_tensors, weights_nbytes
+from warmstart.weights.shard import ShardCut
 
 log = logging.getLogger("warmstart.weights")
 
@@ -39,19 +40,20 @@ class LoadedWeights:
 
 
 def load_weights(model_dir: Path, dtype: torch.dtype, device: torch.device, *, role: str = "target",
-                 config=None, charges: ExternalCharges | None = None) -> LoadedWeights:
+                 config=None, charges: ExternalCharges | None = None, shard: ShardCut | None = None) -> LoadedWeights:
     """Post-processed tensors for one model (role "target" or "draft"), per config's load_format, weight_socket,
     weight_mode and weight_fallback (no config: disk). Pass the boot's one `charges` object for every role, so
-    that a daemon serving two roles is charged once."""
+    that a daemon serving two roles is charged once. Under tensor parallelism `shard` is this rank's cut: a disk
+    load applies it, and the rank's own daemon socket serves the same cut."""
     charges = ExternalCharges() if charges is None else charges
     fmt = "disk" if config is None else config.load_format
     if fmt == "disk":
-        return _from_disk(model_dir, dtype, device, charges, _quantization(config))
+        return _from_disk(model_dir, dtype, device, charges, _quantization(config), shard)
     from warmstart.weights import client     # only a boot that may use a daemon pays for its imports
-    path = client.resolve_socket(config.weight_socket, torch.device(device), role)
+    path = client.resolve_socket(config.weight_socket, torch.device(device), role, config.rank, config.world_size)
     if fmt == "auto" and not os.path.lexists(path):
-        return _from_disk(model_dir, dtype, device, charges, config.quantization)
-    return _from_daemon(model_dir, dtype, torch.device(device), role, config, charges, path)
+        return _from_disk(model_dir, dtype, device, charges, config.quantization, shard)
+    return _from_daemon(model_dir, dtype, torch.device(device), role, config, charges, path, shard)
 
 
 def _quantization(config) -> str:
@@ -59,13 +61,13 @@ def _quantization(config) -> str:
 
 
 def _from_disk(model_dir: Path, dtype: torch.dtype, device, charges: ExternalCharges,
-               quantization: str = "auto") -> LoadedWeights:
-    tensors = load_tensors(model_dir, dtype, device, quantization=quantization)
+               quantization: str = "auto", shard: ShardCut | None = None) -> LoadedWeights:
+    tensors = load_tensors(model_dir, dtype, device, quantization=quantization, shard=shard)
     return LoadedWeights(tensors, weights_nbytes(tensors), charges, "disk")
 
 
 def _from_daemon(model_dir: Path, dtype: torch.dtype, device: torch.device, role: str, config,
-                 charges: ExternalCharges, path: Path) -> LoadedWeights:
+                 charges: ExternalCharges, path: Path, shard: ShardCut | None) -> LoadedWeights:
     from warmstart.weights import client
     from warmstart.weights.manifest import build_cache_key
     from warmstart.weights.transport import device_id
@@ -82,7 +84,7 @@ def _from_daemon(model_dir: Path, dtype: torch.dtype, device: torch.device, role
             charged = charges.charge(socket_id, role, hello.weight_bytes)
             attached = session.attach(key, config.weight_mode, device)
     except client.AttachFailure as failure:
-        return _fall_back(failure, model_dir, dtype, device, role, config, charges, socket_id, charged)
+        return _fall_back(failure, model_dir, dtype, device, role, config, charges, socket_id, charged, shard)
     ms = (time.perf_counter() - t0) * 1e3
     if attached.mode == "copy":
         # The lease is released: the daemon no longer holds anything on our behalf, and we own a copy.
@@ -96,12 +98,12 @@ def _from_daemon(model_dir: Path, dtype: torch.dtype, device: torch.device, role
 
 
 def _fall_back(failure, model_dir: Path, dtype: torch.dtype, device: torch.device, role: str, config,
-               charges: ExternalCharges, socket_id: str, charged: bool) -> LoadedWeights:
+               charges: ExternalCharges, socket_id: str, charged: bool, shard: ShardCut | None) -> LoadedWeights:
     if not config.weight_fallback:
         raise UserError(_explain(failure, model_dir, dtype, role, socket_id)) from None
     log.warning("weights: not using the daemon at %s for the %s model (%s); loading from disk", socket_id, role,
                 failure.reason)
-    loaded = _from_disk(model_dir, dtype, device, charges, config.quantization)
+    loaded = _from_disk(model_dir, dtype, device, charges, config.quantization, shard)
     if charged:
         # Only now that our own copy exists: remove exactly this source's charge, once. Leaving it would charge
         # the same weights twice (ours and the daemon's) and shrink the KV cache for nothing.
