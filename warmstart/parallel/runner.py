@@ -6,7 +6,6 @@ from dataclasses import dataclass
 import torch
 
 from warmstart.parallel.launcher import RankFailure, RankGroup
-from warmstart.runner.attention import PagedAttentionBackend
 from warmstart.runner.batch import Batch, ItemResult
 from warmstart.runner.runner import ModelRunner
 
@@ -56,6 +55,4 @@ class ShardRunner(ModelRunner):
         if not items:
             return
         input_ids, positions, meta = self._prepare(items)
-        attn = PagedAttentionBackend(self.kv, self.block_size)
-        attn.meta = meta
-        self.forward(input_ids, positions, attn)
+        self.forward(input_ids, positions, self._attention(meta))

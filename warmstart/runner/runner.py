@@ -59,12 +59,16 @@ class ModelRunner:
         if not batch.items:
             return []
         input_ids, positions, meta = self._prepare(batch.items)
+        hidden = self.forward(input_ids, positions, self._attention(meta))
+        return self._postprocess(batch.items, hidden)
+
+    def _attention(self, meta: AttentionMeta) -> PagedAttentionBackend:
+        """The step's attention backend: one per KV tensor (it caches the per-layer cache views), given this
+        step's metadata."""
         if self._attn is None or self._attn.kv is not self.kv:
             self._attn = PagedAttentionBackend(self.kv, self.block_size)
-        attn = self._attn
-        attn.meta = meta
-        hidden = self.forward(input_ids, positions, attn)
-        return self._postprocess(batch.items, hidden)
+        self._attn.meta = meta
+        return self._attn
 
     def _prepare(self, items: list[BatchItem]) -> tuple[torch.Tensor, torch.Tensor, AttentionMeta]:
         """Token ids, positions and attention metadata for one step. The work is O(new tokens + block-table
