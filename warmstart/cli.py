@@ -70,6 +70,10 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
                    help="address rank 0 listens on for the rendezvous (torchrun's MASTER_ADDR; default 127.0.0.1)")
     g.add_argument("--master-port", type=int, default=_D["master_port"],
                    help="rendezvous port (torchrun's MASTER_PORT; default: a free port)")
+    g.add_argument("--nnodes", type=int, default=_D["nnodes"],
+                   help="hosts the ranks span (default 1). This command runs rank 0 and the first "
+                        "N/nnodes ranks; on each other host run `warmstart tp-join --master-addr A --master-port P "
+                        "-tp N --nnodes H --node-rank K` (the model path must exist there too)"),
     g = p.add_argument_group("engine")
     g.add_argument("--cache-dir", default=None,
                    help=f"plans, imported models and the compiler cache (default {warmstart_cache_dir()}, "
@@ -120,7 +124,7 @@ def config_from_args(args: argparse.Namespace, model: str | None = None) -> Engi
               prefix_cache_persist=args.prefix_cache_persist, draft_model=args.draft_model,
               num_speculative_tokens=args.num_speculative_tokens, speculative_method=args.speculative_method,
               draft_weight_socket=args.draft_weight_socket, world_size=args.tensor_parallel_size,
-              master_addr=args.master_addr, master_port=args.master_port)
+              master_addr=args.master_addr, master_port=args.master_port, nnodes=args.nnodes)
     if args.tensor_parallel_size > 1 and args.threads_per_rank is not None:
         kw["threads"] = args.threads_per_rank
     if args.cache_dir:
@@ -179,7 +183,8 @@ def _extensions():
     """Subcommands that live beside their features (server, plans, weights, GGUF import)."""
     regs = []
     for mod, attr in (("warmstart.server.launch", "register_cli"), ("warmstart.plan_cli", "register_cli"),
-                      ("warmstart.weights.cli", "register_cli"), ("warmstart.weights.gguf_cli", "register_cli")):
+                      ("warmstart.weights.cli", "register_cli"), ("warmstart.weights.gguf_cli", "register_cli"),
+                      ("warmstart.parallel.node", "register_cli")):
         try:
             module = __import__(mod, fromlist=[attr])
         except ModuleNotFoundError as e:

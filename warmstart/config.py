@@ -88,6 +88,7 @@ class EngineConfig:
     master_addr: str = "127.0.0.1"            # rank 0's rendezvous address (torchrun's MASTER_ADDR)
     master_port: int = 0                      # 0: a free port, chosen by rank 0
     tp_timeout: float = 600.0                 # seconds a collective may wait for a peer before it fails
+    nnodes: int = 1                           # hosts the ranks span; the others join with `warmstart tp-join`
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cache_dir", Path(self.cache_dir).expanduser())
@@ -146,6 +147,13 @@ class EngineConfig:
                    f"--tensor-parallel-size {self.world_size} yet: drop --tensor-parallel-size, or drop "
                    "--speculative-model/--speculative-method and --num-speculative-tokens.")
             _check(0 <= self.master_port <= 65535, f"--master-port must be a TCP port, got {self.master_port}.")
+        _check(self.nnodes >= 1 and self.world_size % self.nnodes == 0,
+               f"--nnodes {self.nnodes} must divide --tensor-parallel-size {self.world_size} (the same number of "
+               "ranks on every host).")
+        if self.nnodes > 1:
+            _check(self.master_port != 0 and self.master_addr not in ("", "0.0.0.0"),
+                   "--nnodes > 1 needs an explicit --master-addr (an address the other hosts can reach) and "
+                   "--master-port: the other hosts join there with `warmstart tp-join`.")
 
     @property
     def spec_method(self) -> str | None:

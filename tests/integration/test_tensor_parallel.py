@@ -261,3 +261,49 @@ def test_two_process_groups_on_one_host_with_master_ports(tmp_path):
         assert p.returncode == 0, err[-3000:]
         assert f"rendezvous 127.0.0.1:{port}" in err
     assert outs[0][0] == outs[1][0]
+
+
+def test_ranks_of_a_second_host_join_with_tp_join(tmp_path):
+    """Multi-host, on one host: `generate -tp 2 --nnodes 2` runs rank 0 only and hosts the rendezvous;
+    `warmstart tp-join --node-rank 1` (what the second host runs) starts rank 1, which takes the engine config
+    from rank 0's store. Same text as one device, and the joining node exits 0 when rank 0 is done."""
+    from tests.integration.server_process import free_port
+    model = write_checkpoint(tmp_path / "m", "llama")
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    common = ["--prompt", "Hello world", "--max-tokens", "8", "--max-model-len", "128", "--kv-cache-memory", "4MiB"]
+    joiner = subprocess.Popen([sys.executable, "-m", "warmstart", "tp-join", "--master-addr", "127.0.0.1",
+                               "--master-port", str(port), "-tp", "2", "--nnodes", "2", "--node-rank", "1",
+                               "--threads-per-rank", "1", "--timeout", "120"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    try:
+        head = subprocess.run([sys.executable, "-m", "warmstart", "generate", str(model), *common, "-tp", "2",
+                               "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                               "--threads-per-rank", "1", "--cache-dir", str(tmp_path / "c")],
+                              capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+        assert head.returncode == 0, head.stderr[-3000:]
+        assert "launched 0 ranks" in head.stderr and "from 1 other hosts" in head.stderr
+        _, jerr = joiner.communicate(timeout=60)
+    finally:
+        if joiner.poll() is None:
+            joiner.kill()
+            joiner.wait()
+    assert joiner.returncode == 0, jerr[-3000:]
+    assert "node 1 of 2 runs ranks 1..1" in jerr
+    single = subprocess.run([sys.executable, "-m", "warmstart", "generate", str(model), *common,
+                             "--cache-dir", str(tmp_path / "c1")], capture_output=True, text=True, env=env,
+                            cwd=ROOT, timeout=300)
+    assert single.returncode == 0, single.stderr[-3000:]
+    assert head.stdout == single.stdout
+
+
+def test_nnodes_needs_an_address_the_other_hosts_can_reach(tmp_path):
+    model = write_checkpoint(tmp_path / "m", "llama")
+    r = subprocess.run([sys.executable, "-m", "warmstart", "generate", str(model), "--prompt", "x", "-tp", "2",
+                        "--nnodes", "2"], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 2 and "--nnodes > 1 needs an explicit --master-addr" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "warmstart", "tp-join", "--master-addr", "127.0.0.1", "--master-port",
+                        "1", "-tp", "3", "--nnodes", "2", "--node-rank", "1"], capture_output=True, text=True,
+                       cwd=ROOT, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 2 and "tp-join needs --nnodes >= 2 dividing" in r.stderr

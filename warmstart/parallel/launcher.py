@@ -162,17 +162,31 @@ def start(config) -> RankGroup:
     base["PYTHONPATH"] = os.pathsep.join([pkg_root, *filter(None, [os.environ.get("PYTHONPATH")])])
     base.setdefault("OMP_WAIT_POLICY", os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
     payload = json.dumps(config.to_dict())
-    for r in range(1, config.world_size):
+    local = config.world_size // config.nnodes        # this host runs ranks 0..local-1; other hosts tp-join
+    for r in range(1, local):
         env = dict(base, RANK=str(r), LOCAL_RANK=str(r), **{ENV_CONFIG: payload})
         group.procs[r] = subprocess.Popen([sys.executable, "-m", "warmstart.parallel.worker"], env=env,
                                           stdin=subprocess.DEVNULL)
     log.info("tensor parallel: launched %d ranks (pids %s), rendezvous %s:%d, %d threads per rank",
-             config.world_size - 1, [p.pid for p in group.procs.values()], addr, port, nthreads)
+             local - 1, [p.pid for p in group.procs.values()], addr, port, nthreads)
+    if config.nnodes > 1:
+        log.info("tensor parallel: waiting up to %.0f s for ranks %d..%d from %d other hosts: run `warmstart tp-join "
+                 "--master-addr %s --master-port %d -tp %d --nnodes %d --node-rank K` on host K", config.tp_timeout,
+                 local, config.world_size - 1, config.nnodes - 1, addr, port, config.world_size, config.nnodes)
     atexit.register(group.close)
     threading.Thread(target=group._monitor, name="warmstart-tp-monitor", daemon=True).start()
-    _init(config, 0, addr, port, group)
+    _init(config, 0, addr, port, group, payload)
     _GROUP = group
     return group
+
+
+def fetch_config(addr: str, port: int, world_size: int, timeout: float) -> dict:
+    """A rank started on another host (`warmstart tp-join`) takes the engine config from rank 0's store: one
+    source of truth, so every rank shards the same model the same way."""
+    import torch.distributed as dist
+    store = dist.TCPStore(addr, port, world_size, is_master=False, timeout=timedelta(seconds=timeout),
+                          wait_for_workers=False)
+    return json.loads(store.get("config").decode())
 
 
 def join(config) -> RankGroup:
@@ -184,7 +198,7 @@ def join(config) -> RankGroup:
     return group
 
 
-def _init(config, rank: int, addr: str, port: int, group: RankGroup) -> None:
+def _init(config, rank: int, addr: str, port: int, group: RankGroup, payload: str | None = None) -> None:
     """Rendezvous through a TCPStore (rank 0 hosts it), then the process group over it. Rank 0 waits for every
     rank to check in while watching their pids, so a rank that dies before joining fails the boot at once
     instead of after the timeout."""
@@ -195,6 +209,7 @@ def _init(config, rank: int, addr: str, port: int, group: RankGroup) -> None:
         store = dist.TCPStore(addr, port, config.world_size, is_master=rank == 0, timeout=timeout,
                               wait_for_workers=False)
         if rank == 0:
+            store.set("config", payload or json.dumps(config.to_dict()))
             deadline = time.monotonic() + config.tp_timeout
             waiting = [f"joined/{r}" for r in range(1, config.world_size)]
             while not store.check(waiting):

@@ -1,7 +1,8 @@
-"""Ranks 1..N-1 of a tensor-parallel engine: `python -m warmstart.parallel.worker`, launched by rank 0.
+"""Ranks 1..N-1 of a tensor-parallel engine: `python -m warmstart.parallel.worker`, launched by rank 0 (or, on
+another host, by `warmstart tp-join`: parallel/node.py).
 
 Reads the torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and the engine config rank 0 passed
-(WARMSTART_TP_CONFIG, JSON). Boots its shard through the same pipeline as rank 0 (its own plan, its own ledger),
+(WARMSTART_TP_CONFIG, JSON; a rank on another host reads it from rank 0's rendezvous store). Boots its shard through the same pipeline as rank 0 (its own plan, its own ledger),
 agrees the KV block count, then loops: receive a message from rank 0, run it, repeat until ("stop",).
 The OpenMP wait policy and thread count are set before torch loads (threads.configure), as the CLI does."""
 from __future__ import annotations
@@ -23,9 +24,15 @@ def main() -> int:
     launcher.watch_parent()
     from warmstart.config import EngineConfig
     from warmstart.errors import UserError, user_error
-    d = json.loads(os.environ[launcher.ENV_CONFIG])
-    d.update(rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
     try:
+        if launcher.ENV_CONFIG in os.environ:           # launched by rank 0 on its own host
+            d = json.loads(os.environ[launcher.ENV_CONFIG])
+        else:                                           # launched by `warmstart tp-join` on another host
+            d = launcher.fetch_config(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                      int(os.environ["WORLD_SIZE"]), float(os.environ.get("WARMSTART_TP_TIMEOUT",
+                                                                                            "600")))
+            d.update(master_addr=os.environ["MASTER_ADDR"], master_port=int(os.environ["MASTER_PORT"]))
+        d.update(rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
         config = EngineConfig(**d)
         return serve_rank(config)
     except UserError as e:
