@@ -89,13 +89,16 @@ def cmd_explain(args) -> int:
 
 
 def _explain_one(config, model_dir, spec) -> int:
+    from warmstart.boot import resolve_model_dir
     from warmstart.keys import plan_key
     from warmstart.planning import MemoryPlanner
     from warmstart.startup.device import get_device
     index = config.rank if config.world_size > 1 and config.device_kind == "cuda" else 0
     device = get_device(config.device_kind, index)
     facts = device.facts()
-    key = plan_key(config, model_dir, spec, facts)
+    # The same key the boot builds: a draft model is part of it (boot.py resolves it the same way).
+    draft_dir = resolve_model_dir(config.draft_model, config.cache_dir) if config.draft_model else None
+    key = plan_key(config, model_dir, spec, facts, draft_dir)
     planner = MemoryPlanner(config, device, facts, key, PlanStore(config.cache_dir / "plans"), device.free_bytes())
     planner.external, note = _daemon_charge(config, model_dir, device, facts)
     if note:

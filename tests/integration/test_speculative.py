@@ -1,6 +1,11 @@
 """Speculative decoding on tiny real checkpoints: greedy output equals the target alone for a draft that agrees
 (the target itself), one that rarely does (another random model, same vocab) and n-gram lookup; mixed batches,
 rollback after many rejections, stops and max_tokens mid-proposal, preemption, n > 1, logprobs, seeds."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from tests.checkpoints import write_checkpoint
@@ -198,6 +203,15 @@ def test_plan_key_names_k_and_method_and_the_ledger_covers_the_draft(target, oth
     assert m.kv_block_bytes == first.booted.runner.kv_block_bytes(16) + \
         first.booted.engine.proposer.runner.kv_block_bytes(16)
     assert m.draft_weights_bytes > 0 and "draft kv cache" in m.table() and "draft weights" in m.table()
+    # `plan explain` builds the boot's key, draft model included: it finds the plan the first boot saved (a
+    # process-RSS difference may still fail the free-memory gate, but never the key).
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "-m", "warmstart", "-q", "plan", "explain", str(target), "--speculative-model",
+                        str(other), "--num-speculative-tokens", "3", "--max-model-len", "320", "--dtype", "float32",
+                        "--memory-utilization", "0.25", "--cache-dir", str(tmp_path / "c")], capture_output=True,
+                       text=True, cwd=root, timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert str(first.report.plan.path) in r.stdout and "draft_model" not in r.stdout, r.stdout
 
 
 def test_prefix_cache_holds_only_verified_blocks(target, other, plain, tmp_path):
