@@ -10,13 +10,22 @@ A second table: one sequence querying a chunk of n new tokens over a cached 1,02
 verification, chunked prefill), kernel vs the runner's non-decode path (gather the context, SDPA with a causal-offset
 mask: attention.py `_attend`). It shows up to which chunk length the kernel should be used.
 
+A first table, decode scaling: the kernel alone at batch 8, context 128 vs 2,048, fp32/fp16/bf16 caches, microseconds
+per layer call and the implied rate of K/V read (GB/s: the bytes of every sequence's K and V rows over the time). Each
+sample cycles over enough distinct caches (one per "layer") that the reads come from memory, not from the last
+call's cache lines, as in a real decode step. `--baseline GITREF` also builds the kernel source at that git revision
+(under another module name) and times it interleaved in the same process: old vs new on the same noisy host.
+
     PYTHONPATH=. .venv/bin/python benchmarks/paged_attention.py [--samples 7] [--threads 1 2] [--out paged_attention.json]
+    PYTHONPATH=. .venv/bin/python benchmarks/paged_attention.py --scaling-only --threads 1 --baseline main
 """
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -61,6 +70,74 @@ def current(q, kc, vc, slots, mask):
     return out[:, :, 0, :]
 
 
+def build_baseline(ref: str):
+    """The paged kernel's source at git revision `ref`, compiled as module _paged_baseline (a second module named
+    _paged would not load next to the current one)."""
+    from torch.utils.cpp_extension import load
+    src = subprocess.run(["git", "-C", str(ROOT), "show", f"{ref}:warmstart/kernels/csrc/paged_attention.cpp"],
+                         check=True, capture_output=True, text=True).stdout
+    d = Path(tempfile.mkdtemp(prefix="paged_baseline_"))
+    (d / "paged_attention.cpp").write_text(src)
+    flags = ["-O3", "-fno-math-errno", "-DNDEBUG", "-mavx2", "-mfma", "-mf16c"]
+    print(f"building the kernel at {ref} as _paged_baseline ...", flush=True)
+    return load(name="_paged_baseline", sources=[str(d / "paged_attention.cpp")], extra_cflags=flags,
+                build_directory=str(d), verbose=False)
+
+
+def decode_scaling(args, baseline) -> list[dict]:
+    """Batch-8 decode, the kernel alone: ctx 128 vs 2,048 per cache dtype, us per layer call and GB/s of K/V read."""
+    B = 8
+    scale = D ** -0.5
+    impls = {"kernel": lambda *a: kernels.paged_attention(*a, scale)}
+    if baseline is not None:
+        impls["baseline"] = lambda *a: baseline.paged_attention(*a, scale)
+    rows = []
+    print(f"decode scaling, batch {B}: us per layer call, GB/s of K/V read; caches cycled over {args.layer_bytes >> 20}"
+          f" MiB of layers")
+    hdr = "".join(f" {name + ' us':>12} {'GB/s':>6}" for name in impls)
+    print(f"{'threads':>7} {'cache':>8} {'ctx':>5}{hdr}" + ("  speedup" if baseline is not None else ""))
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            for ctx in args.scaling_ctx:
+                one = setup(B, ctx, dtype)
+                kv_bytes = 2 * B * ctx * HKV * D * one[1].element_size()        # K and V rows actually read
+                n_layers = max(2, min(30, args.layer_bytes // (2 * one[1].numel() * one[1].element_size())))
+                layers = [one] + [setup(B, ctx, dtype, seed=s) for s in range(1, n_layers)]
+                q = one[0].float()
+                calls = {k: (lambda f=f: [f(q, kc, vc, bt, si, cl) for _, kc, vc, bt, si, cl, _, _ in layers])
+                         for k, f in impls.items()}
+                for f in calls.values():
+                    f()                                                          # warm-up
+                best = {k: float("inf") for k in calls}
+                for _ in range(args.samples):                                    # interleaved
+                    for k, f in calls.items():
+                        t0 = time.perf_counter()
+                        f()
+                        best[k] = min(best[k], (time.perf_counter() - t0) / len(layers))
+                row = dict(threads=threads, cache_dtype=str(dtype).removeprefix("torch."), batch=B, ctx=ctx,
+                           kv_bytes=kv_bytes)
+                line = f"{threads:>7} {row['cache_dtype']:>8} {ctx:>5}"
+                for k, t in best.items():
+                    row[f"{k}_us"] = round(t * 1e6, 1)
+                    row[f"{k}_gbps"] = round(kv_bytes / t / 1e9, 2)
+                    line += f" {t * 1e6:>12.1f} {kv_bytes / t / 1e9:>6.2f}"
+                if baseline is not None:
+                    row["speedup"] = round(best["baseline"] / best["kernel"], 2)
+                    line += f"  {row['speedup']:>6.2f}x"
+                rows.append(row)
+                print(line, flush=True)
+    for threads in args.threads:
+        for dtype in ("float32", "float16", "bfloat16"):
+            t = {r["ctx"]: r["kernel_us"] for r in rows if r["threads"] == threads and r["cache_dtype"] == dtype}
+            if len(t) >= 2:
+                lo, hi = min(t), max(t)
+                print(f"  threads {threads} {dtype}: ctx {hi} costs {t[hi] / t[lo]:.1f}x ctx {lo} per call "
+                      f"({t[hi] / hi * 1e3 / B:.1f} vs {t[lo] / lo * 1e3 / B:.1f} ns per sequence-position)")
+    print()
+    return rows
+
+
 def sample(fn, inner: int) -> float:
     t0 = time.perf_counter()
     for _ in range(inner):
@@ -75,14 +152,25 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--ctx", type=int, nargs="+", default=[128, 2048])
     ap.add_argument("--chunks", type=int, nargs="*", default=[4, 16, 64], help="chunk lengths over a 1024 prefix")
+    ap.add_argument("--scaling-ctx", type=int, nargs="+", default=[128, 2048], help="decode-scaling contexts")
+    ap.add_argument("--layer-bytes", type=int, default=256 << 20,
+                    help="decode scaling: distinct caches cycled per sample, in bytes (more than the L3)")
+    ap.add_argument("--baseline", metavar="GITREF", help="also time the kernel source at this git revision")
+    ap.add_argument("--scaling-only", action="store_true", help="only the decode-scaling table")
     ap.add_argument("--out", default="paged_attention.json")
     args = ap.parse_args()
     if not kernels.has_native():
         print(f"native kernel unavailable ({kernels.NATIVE_UNAVAILABLE_REASON}); timing the pure-torch fallback")
+    baseline = build_baseline(args.baseline) if args.baseline else None
+    scaling_rows = decode_scaling(args, baseline)
+    if args.scaling_only:
+        args.batches, args.ctx, args.chunks = [], [], []
     scale = D ** -0.5
     rows = []
-    print(f"H={H} Hkv={HKV} D={D} block={BS}; min of {args.samples} samples; times are per call (one layer)")
-    print(f"{'threads':>7} {'cache':>5} {'B':>3} {'ctx':>5} {'current us':>11} {'kernel us':>10} {'ratio':>6}  max|diff|")
+    if args.batches and args.ctx:
+        print(f"H={H} Hkv={HKV} D={D} block={BS}; min of {args.samples} samples; times are per call (one layer)")
+        print(f"{'threads':>7} {'cache':>5} {'B':>3} {'ctx':>5} {'current us':>11} {'kernel us':>10} {'ratio':>6}"
+              "  max|diff|")
     for threads in args.threads:
         torch.set_num_threads(threads)
         for dtype in (torch.float32, torch.bfloat16):
@@ -137,7 +225,8 @@ def main() -> None:
                       f"{c / k:>6.2f}  {diff:.1e}", flush=True)
     result = dict(shape=dict(H=H, Hkv=HKV, D=D, block_size=BS), native=kernels.has_native(),
                   native_unavailable_reason=kernels.NATIVE_UNAVAILABLE_REASON, torch=torch.__version__,
-                  samples=args.samples, rows=rows, chunk_rows=chunk_rows)
+                  samples=args.samples, scaling_rows=scaling_rows, baseline=args.baseline, rows=rows,
+                  chunk_rows=chunk_rows)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
 

@@ -182,3 +182,46 @@ def test_matches_the_runner_attention():
     slots = bt[0].long()[pos // 16] * 16 + pos % 16
     want = _attend(q, kc.flatten(0, 1)[slots], vc.flatten(0, 1)[slots], 6)
     torch.testing.assert_close(paged_attention(q, kc, vc, bt, si, cl, 32 ** -0.5), want, rtol=1e-5, atol=1e-5)
+
+
+# The kernel register-blocks up to 3 query heads of a group per pass over a tile of 32 positions (groups of 5 and 7
+# run as 3+2 and 3+3+1), handles head_dim in 8-lane vectors plus a scalar tail, converts bf16/fp16 rows in registers,
+# and prefetches the next tile: contexts just under, at and over a tile and over the 512-position split.
+TILE_EDGES = [(31, 1), (32, 1), (33, 1), (64, 1), (65, 2), (600, 1), (1, 1)]
+
+
+@pytest.mark.parametrize("impl", IMPLS.values(), ids=IMPLS.keys())
+@pytest.mark.parametrize("D", [20, 36, 72])
+@pytest.mark.parametrize("ratio", [1, 2, 5, 7])
+def test_odd_head_dims_and_group_sizes(impl, ratio, D):
+    case = make_case(TILE_EDGES, H=2 * ratio, Hkv=2, D=D, bs=16, seed=ratio * 100 + D)
+    scale = D ** -0.5
+    torch.testing.assert_close(impl(*case, scale).double(), reference(*case, scale), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("impl", IMPLS.values(), ids=IMPLS.keys())
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D,ratio", [(20, 1), (64, 3), (36, 5)])
+def test_half_caches_odd_shapes(impl, cache_dtype, D, ratio):
+    case = make_case(TILE_EDGES, H=3 * ratio, Hkv=3, D=D, bs=16, dtype=torch.float32, cache_dtype=cache_dtype,
+                     seed=D + ratio)
+    out = impl(*case, 0.2)
+    torch.testing.assert_close(out.double(), reference(*case, 0.2), **TOL[torch.float32])   # fp32 math on the rounded cache
+
+
+@native
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_native_query_alone_equals_query_in_a_batch(cache_dtype):
+    """A big batch runs all kv heads of an item in one task, a lone query one kv head per task: same arithmetic per
+    (query, kv head), so bit-identical results."""
+    case = make_case([(700, 1)] + [(40 + i, 1) for i in range(15)], H=9, Hkv=3, D=64, bs=16, cache_dtype=cache_dtype,
+                     seed=4)
+    q, kc, vc, bt, si, cl = case
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)          # 17 work items: all heads per task; 2: one head per task
+        batch = paged_attention(*case, 0.125)
+        alone = paged_attention(q[:1], kc, vc, bt, si[:1], cl[:1], 0.125)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(batch[:1], alone)

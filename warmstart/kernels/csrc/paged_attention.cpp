@@ -1,8 +1,10 @@
 // Paged attention on CPU: each query attends over its sequence's context by reading K/V where they live in the paged
-// cache (no gather into a padded copy). One task per (query t, kv head g) handles the G = H / Hkv query heads that
-// share kv head g, so every K/V row is loaded from memory once per group. Softmax is streamed (online) over tiles of
-// context positions; all arithmetic is fp32. Queries arrive fp32 (the Python wrapper converts the small q tensor);
-// the cache may be fp32, bf16 or fp16 and is converted on load.
+// cache (no gather into a padded copy). The work of a (query t, kv head g, context chunk) is done for the G = H / Hkv
+// query heads that share kv head g together: per tile of context positions every K row is loaded into registers once
+// and dotted with all G queries (a G x tile score block), and every V row once for the G accumulators, so each K/V
+// element is read from the cache, and converted to fp32 (bf16/fp16 caches, in registers), exactly once. Softmax is
+// streamed (online) over the tiles; all arithmetic is fp32. The next tile's rows are prefetched while the current one
+// is computed. Queries arrive fp32 (the Python wrapper converts the small q tensor).
 //
 // Built with -O3 -mavx2 -mfma -mf16c on x86-64 (see setup.py); the scalar paths below are what other ISAs compile.
 #include <torch/extension.h>
@@ -24,121 +26,155 @@
 
 namespace {
 
-constexpr int64_t kMaxTile = 64;  // context positions per online-softmax step
-// Tile length for head_dim d: K and V tiles (converted ones live in scratch) stay around 32 KiB, i.e. in L1/L2 while
-// the G query heads of the group reuse them.
-inline int64_t tile_for(int64_t d) { return std::max<int64_t>(8, std::min<int64_t>(kMaxTile, 4096 / std::max<int64_t>(d, 1))); }
+constexpr int64_t kTile = 32;  // context positions per online-softmax step (scores of G heads x kTile stay in L1)
+constexpr int kMaxGH = 3;      // query heads per register-blocked pass over a K/V tile (4 rows x 3 heads = 12 ymm)
 
-// ---- loads: a row of D cache elements -> fp32 ----------------------------------------------------------------------
-inline void load_row(const float* src, float* dst, int64_t d) { std::memcpy(dst, src, d * sizeof(float)); }
+// ---- scalar element -> fp32 ----------------------------------------------------------------------------------------
+inline float to_f(float x) { return x; }
+inline float to_f(at::BFloat16 x) {
+  uint32_t w = uint32_t(reinterpret_cast<const uint16_t&>(x)) << 16;
+  float f;
+  std::memcpy(&f, &w, 4);
+  return f;
+}
+inline float to_f(at::Half x) { return static_cast<float>(x); }
 
-inline void load_row(const at::BFloat16* src, float* dst, int64_t d) {
-  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
-  int64_t i = 0;
 #if WS_AVX2
-  for (; i + 8 <= d; i += 8) {
-    __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i)));
-    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
-  }
-#endif
-  for (; i < d; ++i) {
-    uint32_t w = uint32_t(s[i]) << 16;
-    std::memcpy(dst + i, &w, 4);
-  }
+// ---- 8 cache elements -> 8 fp32 lanes, converted in registers (no scratch pass) ------------------------------------
+inline __m256 ld8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 ld8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 ld8(const at::BFloat16* p) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
 
-inline void load_row(const at::Half* src, float* dst, int64_t d) {
-  int64_t i = 0;
-#if WS_AVX2
-  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
-  for (; i + 8 <= d; i += 8)
-    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i))));
-#endif
-  for (; i < d; ++i) dst[i] = static_cast<float>(src[i]);
-}
-
-// ---- fp32 primitives ----------------------------------------------------------------------------------------------
-inline float dot(const float* a, const float* b, int64_t d) {
-  int64_t i = 0;
-  float s = 0.f;
-#if WS_AVX2
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  for (; i + 16 <= d; i += 16) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
-  }
-  for (; i + 8 <= d; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-  __m256 acc = _mm256_add_ps(acc0, acc1);
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+inline float hsum(__m256 v) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   h = _mm_add_ps(h, _mm_movehl_ps(h, h));
   h = _mm_add_ss(h, _mm_movehdup_ps(h));
-  s = _mm_cvtss_f32(h);
+  return _mm_cvtss_f32(h);
+}
 #endif
-  for (; i < d; ++i) s += a[i] * b[i];
-  return s;
+
+template <typename T>
+inline void prefetch_row(const T* p, int64_t bytes) {
+#if WS_AVX2
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  for (uintptr_t l = a & ~uintptr_t(63); l < a + uintptr_t(bytes); l += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(l), _MM_HINT_T0);
+#else
+  (void)p;
+  (void)bytes;
+#endif
 }
 
+// Scores of GH query heads against R consecutive K rows: s[i * ld + r] = q_i . k[r] (q pre-scaled, rows of D).
+// Every K element is loaded (and converted) once and used for all GH heads.
+template <typename T, int R, int GH>
+inline void score_block(const float* q, int64_t D, const T* const* kp, int64_t ko, float* s, int64_t ld) {
+  const T* k[R];
+  for (int r = 0; r < R; ++r) k[r] = kp[r] + ko;
+  int64_t c = 0;
 #if WS_AVX2
-// Four dot products of q with rows k0..k3 at once (independent FMA chains, one combined horizontal sum).
-inline __m128 dot4(const float* q, const float* k0, const float* k1, const float* k2, const float* k3, int64_t d) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= d; i += 8) {
-    const __m256 qv = _mm256_loadu_ps(q + i);
-    a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i), a0);
-    a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + i), a1);
-    a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + i), a2);
-    a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + i), a3);
-  }
-  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-  __m128 r = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-  if (i < d) {  // head_dim not a multiple of 8
-    alignas(16) float tail[4] = {0.f, 0.f, 0.f, 0.f};
-    for (; i < d; ++i) {
-      tail[0] += q[i] * k0[i];
-      tail[1] += q[i] * k1[i];
-      tail[2] += q[i] * k2[i];
-      tail[3] += q[i] * k3[i];
+  __m256 acc[R][GH];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < GH; ++i) acc[r][i] = _mm256_setzero_ps();
+  for (; c + 8 <= D; c += 8) {
+    __m256 qv[GH];
+    for (int i = 0; i < GH; ++i) qv[i] = _mm256_loadu_ps(q + i * D + c);
+    for (int r = 0; r < R; ++r) {
+      const __m256 kv = ld8(k[r] + c);
+      for (int i = 0; i < GH; ++i) acc[r][i] = _mm256_fmadd_ps(qv[i], kv, acc[r][i]);
     }
-    r = _mm_add_ps(r, _mm_load_ps(tail));
   }
-  return r;
-}
-
-// acc[d0 .. d0 + 8*NV) += sum_j p[j] * v[j][same range], the accumulator held in NV registers across the tile.
-template <int NV>
-inline void pv_block(float* acc, const float* p, const float* const* v, int64_t n, int64_t d0) {
-  __m256 a[NV];
-  for (int k = 0; k < NV; ++k) a[k] = _mm256_loadu_ps(acc + d0 + 8 * k);
-  for (int64_t j = 0; j < n; ++j) {
-    const __m256 pj = _mm256_set1_ps(p[j]);
-    const float* vj = v[j] + d0;
-    for (int k = 0; k < NV; ++k) a[k] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * k), a[k]);
+  if constexpr (R == 4) {
+    for (int i = 0; i < GH; ++i) {
+      const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(acc[0][i], acc[1][i]), _mm256_hadd_ps(acc[2][i], acc[3][i]));
+      _mm_storeu_ps(s + i * ld, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+    }
+  } else {
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < GH; ++i) s[i * ld + r] = hsum(acc[r][i]);
   }
-  for (int k = 0; k < NV; ++k) _mm256_storeu_ps(acc + d0 + 8 * k, a[k]);
-}
+#else
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < GH; ++i) s[i * ld + r] = 0.f;
 #endif
+  for (; c < D; ++c)  // head_dim not a multiple of 8 (all of it on scalar builds)
+    for (int r = 0; r < R; ++r) {
+      const float kv = to_f(k[r][c]);
+      for (int i = 0; i < GH; ++i) s[i * ld + r] += q[i * D + c] * kv;
+    }
+}
 
-// s[j] = q . k[j] for j < n
-inline void scores(const float* q, const float* const* k, float* s, int64_t n, int64_t d) {
+// Rows of the tile after the current one (same head offset), prefetched a few at a time while the current tile is
+// computed, so the memory reads overlap the arithmetic without flooding the miss queues.
+template <typename T>
+struct Next {
+  const T* const* k;
+  const T* const* v;
+  int64_t n;  // 0: nothing to prefetch
+  int64_t ko, vo, bytes;  // prefetched: bytes from k[j] + ko and from v[j] + vo
+};
+
+// s[i * ld + j] = q_i . k[j] for i < GH, j < n
+template <typename T, int GH>
+inline void scores(const float* q, int64_t D, const T* const* k, int64_t ko, int64_t n, float* s, int64_t ld,
+                   const Next<T>& nx) {
   int64_t j = 0;
-#if WS_AVX2
-  for (; j + 4 <= n; j += 4) _mm_storeu_ps(s + j, dot4(q, k[j], k[j + 1], k[j + 2], k[j + 3], d));
-#endif
-  for (; j < n; ++j) s[j] = dot(q, k[j], d);
+  for (; j + 4 <= n; j += 4) {
+    for (int64_t r = j; r < std::min(j + 4, nx.n); ++r) prefetch_row(nx.k[r] + nx.ko, nx.bytes);
+    score_block<T, 4, GH>(q, D, k + j, ko, s + j, ld);
+  }
+  for (; j < n; ++j) score_block<T, 1, GH>(q, D, k + j, ko, s + j, ld);
 }
 
-// acc[0..d) += sum_j p[j] * v[j][0..d)
-inline void pv(float* __restrict acc, const float* p, const float* const* v, int64_t n, int64_t d) {
+// acc_i[d0 .. d0 + 8*NV) += sum_j p[i * ld + j] * v[j][same range] for i < GH, accumulators in registers over the
+// tile; every V element is loaded (and converted) once for all GH heads.
+template <typename T, int GH, int NV>
+inline void pv_block(float* acc, int64_t D, const float* p, int64_t ld, const T* const* v, int64_t vo, int64_t n,
+                     int64_t d0, const Next<T>* nx = nullptr) {
+#if WS_AVX2
+  const int64_t npf = nx ? nx->n : 0;
+  __m256 a[GH][NV];
+  for (int i = 0; i < GH; ++i)
+    for (int k = 0; k < NV; ++k) a[i][k] = _mm256_loadu_ps(acc + i * D + d0 + 8 * k);
+  for (int64_t j = 0; j < n; ++j) {
+    if (j < npf) prefetch_row(nx->v[j] + nx->vo, nx->bytes);
+    const T* vj = v[j] + vo + d0;
+    __m256 pj[GH];
+    for (int i = 0; i < GH; ++i) pj[i] = _mm256_broadcast_ss(p + i * ld + j);
+    for (int k = 0; k < NV; ++k) {
+      const __m256 vv = ld8(vj + 8 * k);
+      for (int i = 0; i < GH; ++i) a[i][k] = _mm256_fmadd_ps(pj[i], vv, a[i][k]);
+    }
+  }
+  for (int i = 0; i < GH; ++i)
+    for (int k = 0; k < NV; ++k) _mm256_storeu_ps(acc + i * D + d0 + 8 * k, a[i][k]);
+#else
+  (void)acc, (void)D, (void)p, (void)ld, (void)v, (void)vo, (void)n, (void)d0;
+#endif
+}
+
+template <typename T, int GH>
+inline void pv(float* acc, int64_t D, const float* p, int64_t ld, const T* const* v, int64_t vo, int64_t n,
+               const Next<T>& nx) {
   int64_t d0 = 0;
 #if WS_AVX2
-  for (; d0 + 64 <= d; d0 += 64) pv_block<8>(acc, p, v, n, d0);
-  for (; d0 + 32 <= d; d0 += 32) pv_block<4>(acc, p, v, n, d0);
-  for (; d0 + 8 <= d; d0 += 8) pv_block<1>(acc, p, v, n, d0);
+  constexpr int NV = GH >= 3 ? 2 : 4;
+  if (d0 + 8 * NV <= D) {
+    pv_block<T, GH, NV>(acc, D, p, ld, v, vo, n, d0, &nx);
+    d0 += 8 * NV;
+  }
+  for (; d0 + 8 * NV <= D; d0 += 8 * NV) pv_block<T, GH, NV>(acc, D, p, ld, v, vo, n, d0);
+  for (; d0 + 8 <= D; d0 += 8) pv_block<T, GH, 1>(acc, D, p, ld, v, vo, n, d0);
 #endif
-  if (d0 < d)
+  if (d0 < D)
     for (int64_t j = 0; j < n; ++j)
-      for (int64_t i = d0; i < d; ++i) acc[i] += p[j] * v[j][i];
+      for (int64_t d = d0; d < D; ++d) {
+        const float vv = to_f(v[j][vo + d]);
+        for (int i = 0; i < GH; ++i) acc[i * D + d] += p[i * ld + j] * vv;
+      }
 }
 
 inline void scale_row(float* acc, float c, int64_t d) {
@@ -188,8 +224,46 @@ inline float exp_sum(const float* s, float* p, int64_t n, float m) {
   return sum;
 }
 
+// One tile of n positions for GH query heads (q: GH pre-scaled rows of D; acc: GH rows of D; m, l: GH running max
+// and sum): scores for all GH heads in one pass over K, online-softmax update per head, then P.V for all GH heads in
+// one pass over V.
+template <typename T, int GH>
+inline void tile_step(const float* q, int64_t D, const T* const* krow, int64_t ko, const T* const* vrow, int64_t vo,
+                      int64_t n, const Next<T>& nx, float* s, float* p, float* acc, float* m, float* l) {
+  scores<T, GH>(q, D, krow, ko, n, s, kTile, nx);
+  for (int i = 0; i < GH; ++i) {
+    const float* si = s + i * kTile;
+    float mt = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < n; ++j) mt = std::max(mt, si[j]);
+    const float mnew = std::max(m[i], mt);
+    if (mnew > m[i] && l[i] > 0.f) {
+      const float cr = std::exp(m[i] - mnew);
+      l[i] *= cr;
+      scale_row(acc + i * D, cr, D);
+    }
+    m[i] = mnew;
+    l[i] += exp_sum(si, p + i * kTile, n, mnew);
+  }
+  pv<T, GH>(acc, D, p, kTile, vrow, vo, n, nx);
+}
+
+template <typename T>
+inline void tile_heads(int64_t G, const float* q, int64_t D, const T* const* krow, int64_t ko, const T* const* vrow,
+                       int64_t vo, int64_t n, Next<T> nx, float* s, float* p, float* acc, float* m, float* l) {
+  for (int64_t i0 = 0; i0 < G; i0 += kMaxGH, nx.n = 0) {  // the first group of heads prefetches
+    const int64_t gh = std::min<int64_t>(kMaxGH, G - i0);
+    const float* qi = q + i0 * D;
+    float* ai = acc + i0 * D;
+    switch (gh) {
+      case 3: tile_step<T, 3>(qi, D, krow, ko, vrow, vo, n, nx, s, p, ai, m + i0, l + i0); break;
+      case 2: tile_step<T, 2>(qi, D, krow, ko, vrow, vo, n, nx, s, p, ai, m + i0, l + i0); break;
+      default: tile_step<T, 1>(qi, D, krow, ko, vrow, vo, n, nx, s, p, ai, m + i0, l + i0); break;
+    }
+  }
+}
+
 struct Scratch {
-  std::vector<float> q, acc, kt, vt, s, p, m, l;
+  std::vector<float> q, acc, s, p, m, l;
 };
 
 // Long contexts are split into chunks of kSplit positions, each its own task, merged afterwards (flash-decoding): a
@@ -218,78 +292,84 @@ void run(const float* q, float* out, const T* kc, const T* vc, const int32_t* bt
   // partials per task when split: [G] m, [G] l, [G * D] unnormalized acc
   const int64_t part_sz = G * (D + 2);
   std::vector<float> part(split ? n_items * Hkv * part_sz : 0);
+  // Heads per task: all Hkv heads of an item when there are enough items to keep the threads busy, so a task reads
+  // each cache block front to back (a block's positions hold all heads' rows side by side); one head per task
+  // otherwise (a decode batch of one). Each (item, kv head) is computed the same way either way: the grouping never
+  // changes a result.
+  const int64_t hpt = n_items >= 4 * int64_t(at::get_num_threads()) ? Hkv : 1;
+  const int64_t n_hgroups = Hkv / hpt;
+  const int64_t row_bytes = D * int64_t(sizeof(T));
 
-  at::parallel_for(0, n_items * Hkv, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n_items * n_hgroups, 1, [&](int64_t begin, int64_t end) {
     thread_local Scratch sc;
-    sc.q.resize(G * D);
-    sc.acc.resize(G * D);
-    const int64_t tile = tile_for(D);
-    sc.kt.resize(tile * D);
-    sc.vt.resize(tile * D);
-    sc.s.resize(tile + 8);
-    sc.p.resize(tile + 8);
-    sc.m.resize(G);
-    sc.l.resize(G);
-    const float* krow[kMaxTile];
-    const float* vrow[kMaxTile];
+    sc.q.resize(hpt * G * D);
+    sc.acc.resize(hpt * G * D);
+    sc.s.resize(kMaxGH * kTile);
+    sc.p.resize(kMaxGH * kTile);
+    sc.m.resize(hpt * G);
+    sc.l.resize(hpt * G);
+    // head-0 row pointers of the current tile and the next one (prefetched while the current one is computed)
+    const T* rows[2][2][kTile];
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t item = task / Hkv, g = task % Hkv;
+      const int64_t item = task / n_hgroups, g0 = (task % n_hgroups) * hpt;
       const int64_t t = item_t[item], c = item_c[item];
       const int64_t ctx = ctx_lens[t];
       const int64_t p_begin = c * kSplit, p_end = std::min(ctx, p_begin + kSplit);
       const int32_t* table = bt + int64_t(seq_idx[t]) * bt_stride;
-      const float* qg = q + (t * H + g * G) * D;
-      for (int64_t i = 0; i < G * D; ++i) sc.q[i] = qg[i] * scale;
+      const float* qg = q + (t * H + g0 * G) * D;
+      for (int64_t i = 0; i < hpt * G * D; ++i) sc.q[i] = qg[i] * scale;
       std::fill(sc.acc.begin(), sc.acc.end(), 0.f);
       std::fill(sc.m.begin(), sc.m.end(), -std::numeric_limits<float>::infinity());
       std::fill(sc.l.begin(), sc.l.end(), 0.f);
-      for (int64_t p0 = p_begin; p0 < p_end; p0 += tile) {
-        const int64_t n = std::min(tile, p_end - p0);
-        // Row pointers for this tile's positions (fp32 caches are read in place; others are converted once per group).
-        for (int64_t j = 0; j < n; ++j) {
-          const int64_t pos = p0 + j;
-          const int64_t blk = table[pos / bs], off = pos % bs;
-          const T* kr = kc + blk * kc_s0 + off * kc_s1 + g * kc_s2;
-          const T* vr = vc + blk * vc_s0 + off * vc_s1 + g * vc_s2;
-          if constexpr (std::is_same_v<T, float>) {
-            krow[j] = kr;
-            vrow[j] = vr;
-          } else {
-            load_row(kr, sc.kt.data() + j * D, D);
-            load_row(vr, sc.vt.data() + j * D, D);
-            krow[j] = sc.kt.data() + j * D;
-            vrow[j] = sc.vt.data() + j * D;
+      auto fill = [&](int64_t p0, const T** kr, const T** vr) {
+        const int64_t n = std::min(kTile, p_end - p0);
+        int64_t b = p0 / bs, off = p0 - b * bs;  // one division per tile, not per position
+        const T* kb = kc + int64_t(table[b]) * kc_s0;
+        const T* vb = vc + int64_t(table[b]) * vc_s0;
+        for (int64_t j = 0; j < n; ++j, ++off) {
+          if (off == bs) {
+            off = 0;
+            ++b;
+            kb = kc + int64_t(table[b]) * kc_s0;
+            vb = vc + int64_t(table[b]) * vc_s0;
           }
+          kr[j] = kb + off * kc_s1;
+          vr[j] = vb + off * vc_s1;
         }
-        for (int64_t i = 0; i < G; ++i) {
-          const float* qi = sc.q.data() + i * D;
-          float* s = sc.s.data();
-          scores(qi, krow, s, n, D);
-          float mt = -std::numeric_limits<float>::infinity();
-          for (int64_t j = 0; j < n; ++j) mt = std::max(mt, s[j]);
-          const float mnew = std::max(sc.m[i], mt);
-          float* acc = sc.acc.data() + i * D;
-          if (mnew > sc.m[i] && sc.l[i] > 0.f) {
-            const float cr = std::exp(sc.m[i] - mnew);
-            sc.l[i] *= cr;
-            scale_row(acc, cr, D);
-          }
-          sc.m[i] = mnew;
-          float* p = sc.p.data();
-          sc.l[i] += exp_sum(s, p, n, mnew);
-          pv(acc, p, vrow, n, D);
+        return n;
+      };
+      int cur = 0;
+      int64_t n = p_begin < p_end ? fill(p_begin, rows[0][0], rows[0][1]) : 0;
+      for (int64_t p0 = p_begin; p0 < p_end; p0 += kTile) {
+        const int64_t nn = p0 + kTile < p_end ? fill(p0 + kTile, rows[cur ^ 1][0], rows[cur ^ 1][1]) : 0;
+        Next<T> nx{rows[cur ^ 1][0], rows[cur ^ 1][1], nn, 0, 0, row_bytes};
+        for (int64_t h = 0; h < hpt; ++h) {
+          const int64_t g = g0 + h;
+          nx.ko = g * kc_s2;  // each head's pass prefetches its own rows of the next tile
+          nx.vo = g * vc_s2;
+          tile_heads<T>(G, sc.q.data() + h * G * D, D, rows[cur][0], g * kc_s2, rows[cur][1], g * vc_s2, n, nx,
+                        sc.s.data(), sc.p.data(), sc.acc.data() + h * G * D, sc.m.data() + h * G,
+                        sc.l.data() + h * G);
         }
+        cur ^= 1;
+        n = nn;
       }
-      if (split) {
-        float* pp = part.data() + task * part_sz;
-        std::copy(sc.m.begin(), sc.m.end(), pp);
-        std::copy(sc.l.begin(), sc.l.end(), pp + G);
-        std::copy(sc.acc.begin(), sc.acc.end(), pp + 2 * G);
-      } else {
-        float* og = out + (t * H + g * G) * D;
-        for (int64_t i = 0; i < G; ++i) {
-          const float inv = sc.l[i] > 0.f ? 1.f / sc.l[i] : 0.f;  // ctx 0: output zeros
-          for (int64_t d = 0; d < D; ++d) og[i * D + d] = sc.acc[i * D + d] * inv;
+      for (int64_t h = 0; h < hpt; ++h) {
+        const int64_t g = g0 + h;
+        const float* acc = sc.acc.data() + h * G * D;
+        const float* m = sc.m.data() + h * G;
+        const float* l = sc.l.data() + h * G;
+        if (split) {
+          float* pp = part.data() + (item * Hkv + g) * part_sz;
+          std::copy(m, m + G, pp);
+          std::copy(l, l + G, pp + G);
+          std::copy(acc, acc + G * D, pp + 2 * G);
+        } else {
+          float* og = out + (t * H + g * G) * D;
+          for (int64_t i = 0; i < G; ++i) {
+            const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;  // ctx 0: output zeros
+            for (int64_t d = 0; d < D; ++d) og[i * D + d] = acc[i * D + d] * inv;
+          }
         }
       }
     }
