@@ -61,8 +61,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
                                                          "compiler cache under --cache-dir")
     g.add_argument("--threads", type=int, default=None,
                    help="CPU threads for the model (default: the cores this process may use, from its affinity "
-                        "mask and cgroup quota). Idle threads wait passively (OMP_WAIT_POLICY=PASSIVE) unless the "
-                        "environment sets OMP_WAIT_POLICY")
+                        "mask and cgroup quota). Idle threads spin briefly, then sleep (OMP_WAIT_POLICY=PASSIVE, "
+                        "GOMP_SPINCOUNT=100000) unless the environment sets those")
     g = p.add_argument_group("tensor parallel")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="shard the model over N ranks (processes this command launches; gloo on CPU, NCCL on "

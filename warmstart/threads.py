@@ -11,6 +11,14 @@ repeats it): a 2-thread 576x1536 fp32 linear took 7-25 ms with active waiting vs
 plan-hit boot 17.2 s vs 4.3 s; on a quiet host the two policies are equal (1.64 vs 1.66 s). Passive costs nothing
 when quiet and saves 3-4x when not. A user's own OMP_WAIT_POLICY in the environment wins.
 
+Why a short spin before sleeping (GOMP_SPINCOUNT, which libgomp honours under PASSIVE too): a decode step runs a
+few hundred small parallel regions back to back, microseconds apart, and a fully passive worker pays a futex
+wake-up for each. Measured on the 2-core host, 2 threads, the default model (benchmarks/decode.py workers,
+interleaved, 2 rounds): batch 32 decoded at 98-104 tok/s passive, 125-146 with 10,000 spins and 111-197 with
+100,000 (libgomp's rough scale: 100,000 spins per ms); batch 1 was unchanged (53-58 tok/s); under busy loops on
+every core batch 1 ran at 34 (passive), 34 (10,000), 31 (100,000) and 23 tok/s (ACTIVE). So warmstart spins up to
+DEFAULT_SPIN_COUNT, then sleeps. A user's own GOMP_SPINCOUNT wins.
+
 No torch import here: this module runs before torch exists in the process."""
 from __future__ import annotations
 
@@ -24,6 +32,7 @@ from pathlib import Path
 log = logging.getLogger("warmstart")
 
 DEFAULT_WAIT_POLICY = "PASSIVE"
+DEFAULT_SPIN_COUNT = 100_000      # about 1 ms of spinning before a worker sleeps (see above)
 
 
 @dataclass(frozen=True)
@@ -33,10 +42,11 @@ class ThreadSettings:
     available_cpus: int           # cores this process may use (affinity mask and cgroup quota)
     wait_policy: str              # OMP_WAIT_POLICY in force when torch's OpenMP runtime loaded
     policy_source: str            # "warmstart default" | "environment" | "set after torch loaded (no effect)"
+    spin_count: str | None = None  # GOMP_SPINCOUNT in force when torch's OpenMP runtime loaded (None: libgomp's)
 
     def to_dict(self) -> dict:
         return {"threads": self.threads, "available_cpus": self.available_cpus, "wait_policy": self.wait_policy,
-                "policy_source": self.policy_source}
+                "policy_source": self.policy_source, "spin_count": self.spin_count}
 
 
 def available_cpus() -> int:
@@ -87,15 +97,20 @@ def configure(threads: int | None = None) -> ThreadSettings:
                     "spin, which is slow on a busy host. Set OMP_WAIT_POLICY=PASSIVE before importing torch.")
     else:
         source, policy = "warmstart default", DEFAULT_WAIT_POLICY
-        os.environ["OMP_WAIT_POLICY"] = policy
+        _set_defaults()
     if not torch_loaded:
         os.environ["OMP_NUM_THREADS"] = str(n)
     else:
         import torch
         if torch.get_num_threads() != n:
             torch.set_num_threads(n)
-    _settings = ThreadSettings(n, avail, policy, source)
+    _settings = ThreadSettings(n, avail, policy, source, os.environ.get("GOMP_SPINCOUNT"))
     return _settings
+
+
+def _set_defaults() -> None:
+    os.environ["OMP_WAIT_POLICY"] = DEFAULT_WAIT_POLICY
+    os.environ.setdefault("GOMP_SPINCOUNT", str(DEFAULT_SPIN_COUNT))
 
 
 def _env_threads() -> int | None:
@@ -111,7 +126,7 @@ def prepare_env() -> None:
     """Choose the passive wait policy if torch has not loaded yet and the user did not choose one: called when
     warmstart's engine modules are imported, so an `LLM(...)` in a fresh process gets it too."""
     if "torch" not in sys.modules and "OMP_WAIT_POLICY" not in os.environ:
-        os.environ["OMP_WAIT_POLICY"] = DEFAULT_WAIT_POLICY
+        _set_defaults()
         global _policy_set_by_us
         _policy_set_by_us = True
 

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_py(code: str, env: dict | None = None, affinity: set[int] | None = None) -> str:
-    e = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
+    e = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "GOMP_SPINCOUNT")}
     e.update({"PYTHONPATH": str(ROOT), **(env or {})})
     pre = (lambda: os.sched_setaffinity(0, affinity)) if affinity else None
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, preexec_fn=pre,
@@ -30,13 +30,17 @@ def test_default_threads_follow_the_affinity_mask_and_wait_passively():
     settings, torch_threads, env_policy = json.loads(run_py(PROBE, affinity={0}))
     assert settings["available_cpus"] == 1 and settings["threads"] == 1 and torch_threads == 1
     assert settings["wait_policy"] == "PASSIVE" == env_policy and settings["policy_source"] == "warmstart default"
+    assert settings["spin_count"] == "100000"          # spin briefly between a step's regions, then sleep
 
 
 def test_the_users_environment_wins():
     settings, torch_threads, env_policy = json.loads(run_py(PROBE, env={"OMP_WAIT_POLICY": "active",
                                                                         "OMP_NUM_THREADS": "1"}))
     assert settings["wait_policy"] == "ACTIVE" and settings["policy_source"] == "environment"
+    assert settings["spin_count"] is None             # the user's policy: libgomp's own spin for it
     assert settings["threads"] == torch_threads == 1
+    settings, _, _ = json.loads(run_py(PROBE, env={"GOMP_SPINCOUNT": "0"}))
+    assert settings["wait_policy"] == "PASSIVE" and settings["spin_count"] == "0"
 
 
 def test_importing_the_offline_api_sets_the_policy_before_torch():

@@ -160,7 +160,9 @@ def start(config) -> RankGroup:
     # The ranks import this very warmstart (a source checkout on sys.path included).
     pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     base["PYTHONPATH"] = os.pathsep.join([pkg_root, *filter(None, [os.environ.get("PYTHONPATH")])])
-    base.setdefault("OMP_WAIT_POLICY", os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
+    from warmstart.threads import DEFAULT_SPIN_COUNT
+    base.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    base.setdefault("GOMP_SPINCOUNT", str(DEFAULT_SPIN_COUNT))
     payload = json.dumps(config.to_dict())
     local = config.world_size // config.nnodes        # this host runs ranks 0..local-1; other hosts tp-join
     for r in range(1, local):

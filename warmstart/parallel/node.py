@@ -40,6 +40,7 @@ def run_node(master_addr: str, master_port: int, world_size: int, nnodes: int, n
                 OMP_NUM_THREADS=str(nthreads), PYTHONUNBUFFERED="1", WARMSTART_TP_TIMEOUT=str(timeout),
                 PYTHONPATH=os.pathsep.join([pkg_root, *filter(None, [os.environ.get("PYTHONPATH")])]))
     base.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    base.setdefault("GOMP_SPINCOUNT", str(threads.DEFAULT_SPIN_COUNT))
     base.pop("WARMSTART_TP_CONFIG", None)               # the config comes from rank 0's store
     procs = {r: subprocess.Popen([sys.executable, "-m", "warmstart.parallel.worker"], stdin=subprocess.DEVNULL,
                                  env=dict(base, RANK=str(r), LOCAL_RANK=str(i)))
