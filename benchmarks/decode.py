@@ -6,12 +6,14 @@ Every figure is a fresh process (the worker mode of this file), and systems run 
 noisy neighbour hits all of them alike; ratios are per round, then the median. decode tok/s = B*(N-1)/(tN - t1),
 where t1 is the best of two 1-token runs and tN one N-token run: prefill cancels out (peers.md's method).
 
-Sections: batch 1 (warmstart fp32 / bf16 / the GGUF's own quantization / int8, llama.cpp on the same GGUF through
+Sections: batch 1 (warmstart fp32 / bf16 / the GGUF's own quantization, llama.cpp on the same GGUF through
 llama-cpp-python in a separate venv `.venv-peers`, HF transformers fp32), and where a batch-1 step's time goes
-(quantized matmuls, paged attention, the rest = glue) at 40 and 2,048 tokens of context; batch 32 (warmstart vs transformers, each
-in its fastest dtype); context scaling (batch 8 at 128 vs 2,048 tokens of context, KV cache fp32 and fp16); under load (batch 1 and a
-plan-hit boot while busy loops hold every core, vs quiet; passive vs active OpenMP wait); the physical limit
-(measured read bandwidth and the batch-1 bound for each weight format)."""
+(quantized matmuls, paged attention, the rest = glue) at 40 and 2,048 tokens of context; batch 32 (warmstart vs
+transformers, each in its fastest dtype); context scaling (batch 8 at 128 vs 2,048 tokens of context, KV cache fp32
+and fp16); under load (batch 1 and a plan-hit boot while busy loops hold every core, vs quiet; warmstart's default
+wait vs no spin vs active); the physical limit (measured read bandwidth and the batch-1 bound for each weight
+format).
+"""
 from __future__ import annotations
 
 import argparse
@@ -262,8 +264,10 @@ def main() -> int:
     # under load: busy loops on every core vs quiet; passive (default) vs active OpenMP wait
     load = {}
     boot_seconds()                                          # prime: import the model and write the plan once
-    for policy in ("PASSIVE", "ACTIVE"):
-        env = {"OMP_WAIT_POLICY": policy}
+    policies = {"default (PASSIVE, spin 100000)": {}, "PASSIVE, no spin": {"OMP_WAIT_POLICY": "PASSIVE",
+                                                                          "GOMP_SPINCOUNT": "0"},
+                "ACTIVE": {"OMP_WAIT_POLICY": "ACTIVE"}}
+    for policy, env in policies.items():
         q = spawn("ws", {"batch": 1, "ctx": 40, "n": min(n, 64), "dtype": "float32", "quantization": "auto"}, env)
         qb = boot_seconds(env)
         with Load(available_cpus()):
