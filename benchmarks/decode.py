@@ -153,7 +153,6 @@ def spawn(kind: str, args: dict, env: dict | None = None, timeout: float = 900) 
 
 def boot_seconds(env: dict | None = None) -> float:
     """Process start -> first token of a plan-hit boot of the default model (the plan is primed first)."""
-    cache = os.environ.get("WARMSTART_CACHE_DIR")
     cmd = [sys.executable, "-m", "warmstart", "-q", "generate", "default", "--prompt", "Hi", "--max-tokens", "1",
            "--max-model-len", "2048"]
     e = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
