@@ -16,7 +16,7 @@ sample cycles over enough distinct caches (one per "layer") that the reads come 
 call's cache lines, as in a real decode step. `--baseline GITREF` also builds the kernel source at that git revision
 (under another module name) and times it interleaved in the same process: old vs new on the same noisy host.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/paged_attention.py [--samples 7] [--threads 1 2] [--out paged_attention.json]
+    PYTHONPATH=. .venv/bin/python benchmarks/paged_attention.py [--samples 7] [--threads 1 2] [--out benchmarks/results/paged_attention.json]
     PYTHONPATH=. .venv/bin/python benchmarks/paged_attention.py --scaling-only --threads 1 --baseline main
 """
 from __future__ import annotations
@@ -157,7 +157,7 @@ def main() -> None:
                     help="decode scaling: distinct caches cycled per sample, in bytes (more than the L3)")
     ap.add_argument("--baseline", metavar="GITREF", help="also time the kernel source at this git revision")
     ap.add_argument("--scaling-only", action="store_true", help="only the decode-scaling table")
-    ap.add_argument("--out", default="paged_attention.json")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "paged_attention.json"))
     args = ap.parse_args()
     if not kernels.has_native():
         print(f"native kernel unavailable ({kernels.NATIVE_UNAVAILABLE_REASON}); timing the pure-torch fallback")
@@ -227,6 +227,7 @@ def main() -> None:
                   native_unavailable_reason=kernels.NATIVE_UNAVAILABLE_REASON, torch=torch.__version__,
                   samples=args.samples, scaling_rows=scaling_rows, baseline=args.baseline, rows=rows,
                   chunk_rows=chunk_rows)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
 
