@@ -6,6 +6,7 @@ from warmstart.engine.block_manager import BlockManager, CachedBlock, root_hash,
 from warmstart.engine.scheduler import Scheduler, SchedulerLimits
 from warmstart.engine.sequence import Sequence
 from warmstart.sampling_params import SamplingParams
+from tests.stepping import run_step
 
 
 def make(num_blocks=16, block_size=4, max_seqs=4, max_tokens=64, max_len=64, **bm_args):
@@ -15,17 +16,6 @@ def make(num_blocks=16, block_size=4, max_seqs=4, max_tokens=64, max_len=64, **b
 
 def seq(i, tokens, **params):
     return Sequence(i, f"r{i}", list(tokens), SamplingParams(**params))
-
-
-def run_step(s, sampled_token=7):
-    """Apply a step's results the way the engine does (see test_scheduler.py); out.batch is what the runner got."""
-    out = s.schedule()
-    object.__setattr__(out, "batch", out.to_batch([]))
-    for sc in out.scheduled:
-        sc.seq.num_computed_tokens += sc.num_tokens
-        if sc.seq.num_computed_tokens == len(sc.seq.token_ids):
-            sc.seq.token_ids.append(sampled_token)
-    return out
 
 
 def computed(bm, i, tokens):

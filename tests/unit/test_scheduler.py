@@ -3,6 +3,7 @@ from warmstart.engine.block_manager import BlockManager
 from warmstart.engine.scheduler import Scheduler, SchedulerLimits
 from warmstart.engine.sequence import Sequence, Status
 from warmstart.sampling_params import SamplingParams
+from tests.stepping import run_step
 
 
 def make(num_blocks=16, block_size=4, max_seqs=4, max_tokens=16, max_len=64, caching=True):
@@ -12,18 +13,6 @@ def make(num_blocks=16, block_size=4, max_seqs=4, max_tokens=16, max_len=64, cac
 
 def seq(i, n):
     return Sequence(i, f"r{i}", list(range(1, n + 1)), SamplingParams())
-
-
-def run_step(s, sampled_token=7):
-    """Apply a step's results the way the engine does: advance computed tokens, append a token when sampled.
-    The batch the runner would get is attached as out.batch (built before the results are applied)."""
-    out = s.schedule()
-    object.__setattr__(out, "batch", out.to_batch([]))
-    for sc in out.scheduled:
-        sc.seq.num_computed_tokens += sc.num_tokens
-        if sc.seq.num_computed_tokens == len(sc.seq.token_ids):
-            sc.seq.token_ids.append(sampled_token)
-    return out
 
 
 def test_prefill_then_decode_batches_together():

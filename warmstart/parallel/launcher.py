@@ -44,6 +44,20 @@ def threads_per_rank(config) -> int:
     return max(1, threads.available_cpus() // config.world_size)
 
 
+def rank_env(addr: str, port: int, world_size: int, nthreads: int) -> dict[str, str]:
+    """The environment every rank process starts with (the rank's own RANK/LOCAL_RANK are added per process):
+    torchrun's rendezvous variables, its thread count and warmstart's OpenMP wait defaults (a user's own win), and
+    a PYTHONPATH that imports this very warmstart (a source checkout included)."""
+    from warmstart.threads import DEFAULT_SPIN_COUNT, DEFAULT_WAIT_POLICY
+    pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, MASTER_ADDR=addr, MASTER_PORT=str(port), WORLD_SIZE=str(world_size),
+               OMP_NUM_THREADS=str(nthreads), PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join([pkg_root, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    env.setdefault("OMP_WAIT_POLICY", DEFAULT_WAIT_POLICY)
+    env.setdefault("GOMP_SPINCOUNT", str(DEFAULT_SPIN_COUNT))
+    return env
+
+
 def _free_port(addr: str) -> int:
     with socket.socket() as s:
         s.bind((addr, 0))
@@ -155,14 +169,7 @@ def start(config) -> RankGroup:
     port = config.master_port or _free_port(addr)
     nthreads = threads_per_rank(config)
     group = RankGroup(0, config.world_size)
-    base = dict(os.environ, MASTER_ADDR=addr, MASTER_PORT=str(port), WORLD_SIZE=str(config.world_size),
-                OMP_NUM_THREADS=str(nthreads), PYTHONUNBUFFERED="1")
-    # The ranks import this very warmstart (a source checkout on sys.path included).
-    pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    base["PYTHONPATH"] = os.pathsep.join([pkg_root, *filter(None, [os.environ.get("PYTHONPATH")])])
-    from warmstart.threads import DEFAULT_SPIN_COUNT
-    base.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    base.setdefault("GOMP_SPINCOUNT", str(DEFAULT_SPIN_COUNT))
+    base = rank_env(addr, port, config.world_size, nthreads)
     payload = json.dumps(config.to_dict())
     local = config.world_size // config.nnodes        # this host runs ranks 0..local-1; other hosts tp-join
     for r in range(1, local):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -29,18 +28,14 @@ def run_node(master_addr: str, master_port: int, world_size: int, nnodes: int, n
              threads_per_rank: int | None, timeout: float) -> int:
     from warmstart import threads
     from warmstart.errors import UserError
+    from warmstart.parallel.launcher import rank_env
     if nnodes < 2 or world_size % nnodes or not 1 <= node_rank < nnodes:
         raise UserError(f"tp-join needs --nnodes >= 2 dividing --tensor-parallel-size ({world_size}) and "
                         f"1 <= --node-rank < --nnodes (rank 0's host is node 0); got --nnodes {nnodes}, "
                         f"--node-rank {node_rank}.")
     ranks = node_ranks(world_size, nnodes, node_rank)
     nthreads = threads_per_rank or max(1, threads.available_cpus() // len(ranks))
-    pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    base = dict(os.environ, MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), WORLD_SIZE=str(world_size),
-                OMP_NUM_THREADS=str(nthreads), PYTHONUNBUFFERED="1", WARMSTART_TP_TIMEOUT=str(timeout),
-                PYTHONPATH=os.pathsep.join([pkg_root, *filter(None, [os.environ.get("PYTHONPATH")])]))
-    base.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    base.setdefault("GOMP_SPINCOUNT", str(threads.DEFAULT_SPIN_COUNT))
+    base = dict(rank_env(master_addr, master_port, world_size, nthreads), WARMSTART_TP_TIMEOUT=str(timeout))
     base.pop("WARMSTART_TP_CONFIG", None)               # the config comes from rank 0's store
     procs = {r: subprocess.Popen([sys.executable, "-m", "warmstart.parallel.worker"], stdin=subprocess.DEVNULL,
                                  env=dict(base, RANK=str(r), LOCAL_RANK=str(i)))

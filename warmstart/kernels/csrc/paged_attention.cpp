@@ -50,12 +50,7 @@ inline __m256 ld8(const at::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
 
-inline float hsum(__m256 v) {
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_add_ss(h, _mm_movehdup_ps(h));
-  return _mm_cvtss_f32(h);
-}
+using ws::hsum;  // vec_math.h
 #endif
 
 template <typename T>

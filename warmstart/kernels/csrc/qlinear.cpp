@@ -22,6 +22,8 @@
 #define WS_AVX2 0
 #endif
 
+#include "vec_math.h"
+
 namespace {
 
 constexpr int64_t G = 32;
@@ -52,12 +54,7 @@ void quantize_rows(const float* x, int64_t M, int64_t K, bool deinterleave, int8
 }
 
 #if WS_AVX2
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using ws::hsum;  // vec_math.h
 #endif
 
 #if WS_AVX2

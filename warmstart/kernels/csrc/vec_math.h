@@ -1,10 +1,17 @@
-// Small AVX2 math shared by the kernels: exp of 8 floats.
+// Small AVX2 math shared by the kernels: the horizontal sum and exp of 8 floats.
 #pragma once
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
 namespace ws {
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
 
 // exp for 8 floats: Cephes-style range reduction + degree-5 polynomial, ~1 ulp; inputs clamped to +-88.38.
 inline __m256 exp256(__m256 x) {
