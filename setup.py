@@ -27,6 +27,12 @@ ERROR_FILE = os.path.join(HERE, "warmstart", "kernels", "_build_error.txt")
 # would not run on the former. warmstart/kernels/__init__.py checks /proc/cpuinfo for avx2/fma/f16c before loading
 # the .so and uses the pure-torch path otherwise. Other architectures build the kernel's scalar code paths.
 CXX_FLAGS = ["-O3", "-fno-math-errno", "-DNDEBUG"]
+# OpenMP: at::parallel_for is a header template, so it runs threads only when *this* file is compiled with OpenMP;
+# without -fopenmp it silently runs every kernel on one thread. libgomp.so.1 then resolves to the copy torch already
+# loaded (same soname), so the kernels share torch's thread pool and its OMP_* settings. Not on macOS (no libgomp in
+# Apple's clang; those builds stay single-threaded).
+OPENMP = [] if sys.platform == "darwin" else ["-fopenmp"]
+CXX_FLAGS += OPENMP
 if platform.machine().lower() in ("x86_64", "amd64"):
     CXX_FLAGS += ["-mavx2", "-mfma", "-mf16c"]
 
@@ -62,7 +68,8 @@ else:
             else:
                 _record_error(None)
 
-    ext_modules = [CppExtension(f"warmstart.kernels.{name}", src, extra_compile_args={"cxx": CXX_FLAGS})
+    ext_modules = [CppExtension(f"warmstart.kernels.{name}", src, extra_compile_args={"cxx": CXX_FLAGS},
+                                 extra_link_args=OPENMP)
                    for name, src in SOURCES.items()]
     cmdclass = {"build_ext": SafeBuildExtension.with_options(use_ninja=True)}
 

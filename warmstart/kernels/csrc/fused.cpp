@@ -166,4 +166,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &write_kv, py::arg("k"), py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"),
         py::call_guard<py::gil_scoped_release>());
   m.def("silu_mul", &silu_mul, py::arg("x"), py::call_guard<py::gil_scoped_release>());
+  m.attr("openmp") = ws::kOpenMP;
 }

@@ -443,4 +443,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention over a block-table KV cache (fp32 output)",
         py::call_guard<py::gil_scoped_release>());
   m.attr("simd") = WS_AVX2 ? "avx2+fma+f16c" : "scalar";
+  m.attr("openmp") = ws::kOpenMP;
 }

@@ -317,4 +317,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins") = py::none(), py::arg("dense_min_rows") = 0,
         py::call_guard<py::gil_scoped_release>());
   m.attr("simd") = WS_AVX2 ? "avx2+fma" : "scalar";
+  m.attr("openmp") = ws::kOpenMP;
 }

@@ -1,5 +1,15 @@
-// Small AVX2 math shared by the kernels: the horizontal sum and exp of 8 floats.
+// Small AVX2 math shared by the kernels: the horizontal sum and exp of 8 floats; and whether this build has OpenMP.
 #pragma once
+
+namespace ws {
+// at::parallel_for runs threads only in code compiled with OpenMP (setup.py passes -fopenmp); each extension exports
+// this as its `openmp` attribute so a build that silently lost it fails a test instead of running on one thread.
+#ifdef _OPENMP
+constexpr bool kOpenMP = true;
+#else
+constexpr bool kOpenMP = false;
+#endif
+}  // namespace ws
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
