@@ -1,5 +1,6 @@
 """Builds warmstart's compiled CPU kernels: paged attention (warmstart.kernels._paged), quantized linears
-(warmstart.kernels._qlinear) and the decode step's fused glue (warmstart.kernels._fused).
+(warmstart.kernels._qlinear), the decode step's fused glue (warmstart.kernels._fused) and the decoder's layer loop
+over them (warmstart.kernels._stack).
 
 All package metadata lives in pyproject.toml; setuptools reads both. This file only adds the extension, and it never
 makes an install fail: without torch importable (pip's build isolation: torch is deliberately not a build requirement,
@@ -19,7 +20,8 @@ from setuptools import setup
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = {"_paged": ["warmstart/kernels/csrc/paged_attention.cpp"],
            "_qlinear": ["warmstart/kernels/csrc/qlinear.cpp"],
-           "_fused": ["warmstart/kernels/csrc/fused.cpp"]}
+           "_fused": ["warmstart/kernels/csrc/fused.cpp"],
+           "_stack": ["warmstart/kernels/csrc/decoder_stack.cpp"]}
 ERROR_FILE = os.path.join(HERE, "warmstart", "kernels", "_build_error.txt")
 
 # Compile flags. On x86-64 the kernel targets the x86-64-v3 vector ISA (AVX2 + FMA + F16C): every x86 host this

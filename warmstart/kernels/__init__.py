@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["paged_attention", "paged_attention_torch", "has_native", "NATIVE_UNAVAILABLE_REASON", "qlinear",
            "has_qlinear", "QLINEAR_UNAVAILABLE_REASON", "add_rms_norm", "rotary_", "write_kv", "silu_mul",
-           "has_fused", "FUSED_UNAVAILABLE_REASON"]
+           "has_fused", "FUSED_UNAVAILABLE_REASON", "native_stack", "STACK_UNAVAILABLE_REASON"]
 
 _REQUIRED_X86_FLAGS = ("avx2", "fma", "f16c")   # the kernel is compiled for x86-64-v3's vector ISA (see setup.py)
 
@@ -199,3 +199,14 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
         return _fused.silu_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+# ------------------------------------------------------------------------------------------------ decoder stack
+# The decoder's layer loop over the kernels above, in one call (csrc/decoder_stack.cpp); warmstart/models/native.py
+# decides when a model and a step may use it.
+_stack, STACK_UNAVAILABLE_REASON = _load_native("_stack")
+
+
+def native_stack():
+    """The compiled decoder-stack module (its Stack, Layer and Linear classes), or None."""
+    return _stack

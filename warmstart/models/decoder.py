@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from warmstart.models import native
 from warmstart.models.layers import GatedMLP, PagedAttention, RMSNorm, RotaryEmbedding, apply_rotary
 from warmstart.models.spec import ModelSpec
 
@@ -68,9 +69,16 @@ class DecoderBody(nn.Module):
     def forward(self, input_ids, positions, attn):
         x = self.embed_tokens(input_ids)
         rope = self.rotary_emb(positions, x.dtype)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, rope, attn)
+        step = attn.paged_step() if native.usable_for(x) and hasattr(attn, "paged_step") else None
+        stack = native.stack_for(self) if step is not None else None
+        if stack is not None:
+            # Every row reads the paged cache: the whole layer loop is one compiled call (models/native.py).
+            cos, sin = (r.reshape(x.shape[0], -1) for r in rope)
+            x, residual = stack.forward(x, cos, sin, *step, self.layers[0].self_attn.d ** -0.5)
+        else:
+            residual = None
+            for layer in self.layers:
+                x, residual = layer(x, residual, rope, attn)
         return self.norm.add_forward(x, residual)[0]
 
 

@@ -18,6 +18,9 @@ class PagedAttention(Protocol):
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
 
+    # Optional: `paged_step()` -> (kv, slots, block_tables, seq_idx, ctx_lens) when every row of this step reads the
+    # paged cache (the compiled layer loop then writes and reads the cache itself, models/native.py), else None.
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):

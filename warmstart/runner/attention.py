@@ -58,6 +58,16 @@ class PagedAttentionBackend:
         self.meta: AttentionMeta | None = None
         self._views: list[tuple[torch.Tensor, ...] | None] = [None] * (0 if kv is None else kv.shape[1])
 
+    def paged_step(self) -> tuple[torch.Tensor, ...] | None:
+        """(kv, slot_mapping, block_tables, seq_idx, ctx_lens) when every row of this step takes the paged route
+        (what the compiled decoder stack needs to write and read the cache itself), else None."""
+        meta = self.meta
+        if self.kv is None or meta is None or meta.paged is None or meta.paged.rows is not None \
+                or meta.slot_mapping.dtype is not torch.long:
+            return None
+        p = meta.paged
+        return self.kv, meta.slot_mapping, p.block_tables, p.seq_idx, p.ctx_lens
+
     def _layer_views(self, layer: int) -> tuple[torch.Tensor, ...]:
         """(k, v) of one layer as [slots, Hkv, D] and as [blocks, block_size, Hkv, D]; made once per backend (the
         runner keeps one backend per cache), not 4 times per layer per step."""

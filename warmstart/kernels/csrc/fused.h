@@ -1,0 +1,161 @@
+// The decode step's glue, fused: at batch 1 a layer's matmuls take a few hundred microseconds, and the dozens of
+// small aten ops around them (RMSNorm's pow/mean/rsqrt/mul, RoPE's slices/neg/cat, SiLU*up, two index_copy_ into
+// the cache) cost as much again in dispatch alone. Each function below is one call doing one of those jobs in a
+// single pass over its rows. All math is fp32, in the same order as the torch reference in warmstart/kernels, so
+// results match it to rounding. Rows are split across threads only when there are enough of them to pay for the
+// wake-up (a decode step's handful of rows runs on the calling thread).
+#pragma once
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "vec_math.h"
+
+namespace ws::fused {
+
+constexpr int64_t kRowGrain = 16;
+
+void check_f32_rows(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat, name, " must be a float32 CPU tensor");
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with contiguous rows");
+}
+
+// normed = rmsnorm(h) * w where h = x + residual (then residual <- h, in place) or h = x when there is no residual.
+torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps) {
+  check_f32_rows(x, "x");
+  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == torch::kFloat && weight.numel() == x.size(1),
+              "weight must be float32 [D]");
+  const int64_t T = x.size(0), D = x.size(1);
+  float* res = nullptr;
+  int64_t rs = 0;
+  if (residual.has_value()) {
+    check_f32_rows(*residual, "residual");
+    TORCH_CHECK(residual->size(0) == T && residual->size(1) == D, "residual must match x");
+    res = residual->data_ptr<float>();
+    rs = residual->stride(0);
+  }
+  auto out = torch::empty({T, D}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t xs = x.stride(0);
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, T, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* xr = xp + t * xs;
+      float* o = op + t * D;
+      const float* h = xr;
+      if (res) {
+        float* r = res + t * rs;
+        for (int64_t i = 0; i < D; ++i) r[i] += xr[i];
+        h = r;
+      }
+      float ss = 0.f;
+      for (int64_t i = 0; i < D; ++i) ss += h[i] * h[i];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + feps);
+      for (int64_t i = 0; i < D; ++i) o[i] = w[i] * (h[i] * inv);
+    }
+  });
+  return out;
+}
+
+// Rotate-half RoPE in place on x [T, n, D] (rows of any stride, heads contiguous): for i < D/2,
+// x[i] <- x[i] cos[i] - x[i+D/2] sin[i], x[i+D/2] <- x[i+D/2] cos[i+D/2] + x[i] sin[i+D/2]. cos, sin [T, D].
+void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat && x.dim() == 3, "x must be float32 [T, n, D]");
+  const int64_t T = x.size(0), n = x.size(1), D = x.size(2), half = D / 2;
+  TORCH_CHECK(x.stride(2) == 1 && x.stride(1) == D && D % 2 == 0, "x must have contiguous heads of even size");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == torch::kFloat &&
+              sin.scalar_type() == torch::kFloat && cos.numel() == T * D && sin.numel() == T * D,
+              "cos and sin must be contiguous float32 [T, D]");
+  float* xp = x.data_ptr<float>();
+  const float* c = cos.data_ptr<float>();
+  const float* s = sin.data_ptr<float>();
+  const int64_t xs = x.stride(0);
+  at::parallel_for(0, T, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* ct = c + t * D;
+      const float* st = s + t * D;
+      for (int64_t h = 0; h < n; ++h) {
+        float* v = xp + t * xs + h * D;
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = v[i], b = v[i + half];
+          v[i] = a * ct[i] - b * st[i];
+          v[i + half] = b * ct[i + half] + a * st[i + half];
+        }
+      }
+    }
+  });
+}
+
+template <typename T>
+inline T from_float(float v) { return static_cast<T>(v); }
+
+template <typename C>
+void write_rows(const torch::Tensor& src, torch::Tensor& cache, const int64_t* slots, int64_t T, int64_t width) {
+  const float* sp = src.data_ptr<float>();
+  const int64_t ss = src.stride(0);
+  C* cp = cache.data_ptr<C>();
+  for (int64_t t = 0; t < T; ++t) {
+    const float* row = sp + t * ss;
+    C* dst = cp + slots[t] * width;
+    for (int64_t i = 0; i < width; ++i) dst[i] = from_float<C>(row[i]);
+  }
+}
+
+// k_cache[slots[t]] = k[t], v_cache[slots[t]] = v[t]; k, v [T, Hkv, D] float32 (rows of any stride, heads
+// contiguous), caches [slots, Hkv, D] contiguous in float32, bfloat16 or float16 (round to nearest even).
+void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots) {
+  TORCH_CHECK(k.scalar_type() == torch::kFloat && v.scalar_type() == torch::kFloat && k.dim() == 3 && v.dim() == 3,
+              "k and v must be float32 [T, Hkv, D]");
+  const int64_t T = k.size(0), width = k.size(1) * k.size(2);
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2) &&
+              v.sizes() == k.sizes(), "k and v must have contiguous heads and equal shapes");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type() &&
+              k_cache.numel() % width == 0 && v_cache.numel() == k_cache.numel(), "caches must be contiguous [S, Hkv, D]");
+  TORCH_CHECK(slots.is_contiguous() && slots.scalar_type() == torch::kLong && slots.numel() == T,
+              "slots must be int64 [T]");
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  const int64_t capacity = k_cache.numel() / width;
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sl[t] >= 0 && sl[t] < capacity, "slot out of range");
+  switch (k_cache.scalar_type()) {
+    case torch::kFloat: write_rows<float>(k, k_cache, sl, T, width); write_rows<float>(v, v_cache, sl, T, width); break;
+    case torch::kBFloat16:
+      write_rows<at::BFloat16>(k, k_cache, sl, T, width); write_rows<at::BFloat16>(v, v_cache, sl, T, width); break;
+    case torch::kHalf: write_rows<at::Half>(k, k_cache, sl, T, width); write_rows<at::Half>(v, v_cache, sl, T, width); break;
+    default: TORCH_CHECK(false, "cache dtype must be float32, bfloat16 or float16");
+  }
+}
+
+// [T, 2I] (gate | up) -> silu(gate) * up, [T, I].
+torch::Tensor silu_mul(torch::Tensor x) {
+  check_f32_rows(x, "x");
+  const int64_t T = x.size(0), I = x.size(1) / 2;
+  TORCH_CHECK(x.size(1) % 2 == 0, "x must have an even number of columns");
+  auto out = torch::empty({T, I}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t xs = x.stride(0);
+  at::parallel_for(0, T, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* g = xp + t * xs;
+      const float* u = g + I;
+      float* o = op + t * I;
+      int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+      const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+      for (; i + 8 <= I; i += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 e = ws::exp256(_mm256_sub_ps(zero, gv));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+      }
+#endif
+      for (; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    }
+  });
+  return out;
+}
+
+}  // namespace ws::fused
