@@ -1,4 +1,4 @@
-"""The decode step's fused glue (kernels/csrc/fused.cpp) against plain torch ops doing the same math: row counts on
+"""The decode step's fused glue (kernels/csrc/fused.h) against plain torch ops doing the same math: row counts on
 both sides of the threading grain, strided views like the ones the decoder passes (q/k/v split from one fused
 projection), every cache dtype, and the torch fallback for inputs the compiled path does not take."""
 import pytest

@@ -35,7 +35,7 @@ def test_results_do_not_depend_on_the_thread_count(threads):
     table = torch.randperm(64)[:60].view(3, 20).int()
     q = torch.randn(5, H, D)
     seq, ctx = torch.tensor([0, 1, 2, 2, 1], dtype=torch.int32), torch.tensor([300, 17, 320, 1, 299], dtype=torch.int32)
-    x = torch.randn(7, 256)
+    x, x40 = torch.randn(7, 256), torch.randn(40, 256)
     qw = torch.randint(0, 256, (96, 128), dtype=torch.uint8)
     sc, mn = torch.rand(96, 8), torch.randn(96, 8)
     h, w = torch.randn(40, 576), torch.randn(576)
@@ -44,7 +44,8 @@ def test_results_do_not_depend_on_the_thread_count(threads):
         threads(n)
         outs.append((kernels.paged_attention(q, kc, vc, table, seq, ctx, 0.125),     # split into chunks of 512
                      kernels.qlinear(x, qw, sc, mn), kernels.qlinear(x[:1], qw, sc, mn),
-                     kernels.qlinear(x, qw.view(torch.int8).view(96, 128).repeat(1, 2), sc),   # int8 weights
+                     kernels.qlinear(x40, qw, sc, mn),                                # the panel route
+                     kernels.qlinear(x, qw.view(torch.int8).view(96, 128).repeat(1, 2), sc),
                      kernels.add_rms_norm(h, None, w, 1e-5)[0]))
     for other in outs[1:]:
         for a, b in zip(outs[0], other):

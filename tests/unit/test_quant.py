@@ -25,7 +25,7 @@ def _check_linear(canon: dict, n: int, k: int, bias: torch.Tensor | None = None)
     ref_w = quant.dequantize(canon)
     assert module.dequantized().shape == (n, k)
     assert torch.allclose(module.dequantized(), ref_w, atol=1e-2 * ref_w.abs().max().item(), rtol=0)
-    for rows in (1, 5, 31, 70):        # 70: from kernels.DENSE_MIN_ROWS rows on, the float32-expansion path
+    for rows in (1, 5, 11, 70, 260):   # int8 activations; the float32 panel kernel (8+); torch's GEMM (256+)
         x = torch.randn(rows, k)
         y, ref = module(x), quant.reference_linear(module, x)
         assert y.shape == (rows, n) and y.dtype == x.dtype
@@ -144,5 +144,28 @@ def test_dense_path_equals_the_dequantized_weight_across_tiles(kind):
     y = kernels.qlinear(x, ready["qweight"], ready["scales"], ready.get("mins"))
     want = x @ quant.dequantize(canon).t()
     assert torch.allclose(y, want, atol=1e-3 * want.abs().max().item(), rtol=0)
-    y_int8_act = kernels.qlinear(x, ready["qweight"], ready["scales"], ready.get("mins"), dense_min_rows=0)
+    y_int8_act = kernels.qlinear(x, ready["qweight"], ready["scales"], ready.get("mins"), dense_min_rows=0,
+                                 panel_min_rows=0)
     assert (y_int8_act - want).abs().max() > (y - want).abs().max()     # the dense path really ran: it is exact
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("rows", [8, 11, 64, 255])
+def test_panel_path_equals_the_dequantized_weight(kind, rows):
+    """From PANEL_MIN_ROWS rows the kernel expands 48 weight rows at a time and multiplies them in registers, 4 x
+    rows by 3 weight rows: N = 130 spans three panels (the last partial, 34 rows: not a multiple of 3) and the row
+    counts leave every remainder of 4."""
+    from warmstart import kernels
+    if not kernels.has_qlinear():
+        pytest.skip("the compiled quantized-linear kernel is not built here")
+    n, k = 130, 320
+    w = torch.randn(n, k)
+    canon = quant.quantize_int4(w) if kind == "int4" else quant.quantize_int8(w)
+    ready = quant.prepare(canon)
+    x = torch.randn(rows, k)
+    args = (x, ready["qweight"], ready["scales"], ready.get("mins"))
+    y = kernels.qlinear(*args)
+    want = x @ quant.dequantize(canon).t()
+    assert torch.allclose(y, want, atol=1e-5 * want.abs().max().item(), rtol=0)
+    y_int8_act = kernels.qlinear(*args, dense_min_rows=0, panel_min_rows=0)
+    assert (y_int8_act - want).abs().max() > 10 * (y - want).abs().max()   # the panel path really ran

@@ -121,28 +121,34 @@ _qlinear, QLINEAR_UNAVAILABLE_REASON = _load_native("_qlinear")
 
 
 def has_qlinear() -> bool:
-    """True when the compiled quantized-linear kernel (csrc/qlinear.cpp) runs on this CPU."""
+    """True when the compiled quantized-linear kernel (csrc/qlinear.h) runs on this CPU."""
     return _qlinear is not None
 
 
-# From this many rows on (prefill chunks, big decode batches), the kernel expands the weight to float32 tile by tile
-# and runs the float32 GEMM, which beats int8 activations there; below it, it reads the quantized weight directly.
-# Measured at 1 thread on AVX2 (SmolLM2's shapes, M = 8..32): the int8-activation kernel wins up to ~16 rows, the
-# two tie at 24, and the float32 GEMM wins by 1-1.3x at 32.
-DENSE_MIN_ROWS = 32
+# Three routes by row count, measured with every kernel threaded (2 threads, AVX2; SmolLM2's q/k/v, gate_up, down and
+# int8 LM-head shapes; GFLOPS in the closing note of issue 8):
+# - below PANEL_MIN_ROWS (a decode step of a few sequences): activations quantized to int8 per block of 32, the
+#   weight read directly (memory-bound; 1.3-4x faster than the others at 4 rows);
+# - from PANEL_MIN_ROWS (decode batches): the weight expanded to float32 a panel of 48 rows at a time in L2 and
+#   multiplied by a register-blocked kernel: 135-158 GFLOPS at 32-64 rows, 1.5-2x either alternative;
+# - from DENSE_MIN_ROWS (long prefill chunks): expanded in 8 MiB tiles and multiplied by torch's float32 GEMM,
+#   which wins (1.1-1.2x) once the rows no longer stay in cache.
+# The two float32 routes are exact (full-precision activations); the int8-activation one rounds activations.
+PANEL_MIN_ROWS = 8
+DENSE_MIN_ROWS = 256
 
 
-def qlinear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-            mins: torch.Tensor | None = None, dense_min_rows: int = DENSE_MIN_ROWS) -> torch.Tensor:
+def qlinear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None = None,
+            dense_min_rows: int = DENSE_MIN_ROWS, panel_min_rows: int = PANEL_MIN_ROWS) -> torch.Tensor:
     """x [M, K] (any float dtype) times a quantized weight, float32 [M, N] out. int4: qweight uint8 [N, K/2],
-    scales and mins float32 [N, K/32]; int8: qweight int8 [N, K], scales float32 [N, K/32]. Below dense_min_rows
-    rows, activations are quantized to int8 per block of 32 inside the kernel; from there on (0: never) the weight
-    is expanded to float32 and multiplied in full precision."""
-    return _qlinear.qlinear(x, qweight, scales, mins, dense_min_rows)
+    scales and mins float32 [N, K/32]; int8: qweight int8 [N, K], scales float32 [N, K/32]. Routes by M (see
+    above; a threshold of 0 turns its route off): int8 activations below panel_min_rows, the float32 panel kernel
+    from there, the float32 GEMM over expanded tiles from dense_min_rows."""
+    return _qlinear.qlinear(x, qweight, scales, mins, dense_min_rows, panel_min_rows)
 
 
 # ------------------------------------------------------------------------------------------------ fused glue
-# The decode step's small ops, one call each (csrc/fused.cpp): at batch 1 their dispatch cost rivals the matmuls.
+# The decode step's small ops, one call each (csrc/fused.h): at batch 1 their dispatch cost rivals the matmuls.
 # Each function takes the compiled path for float32 CPU tensors and a pure-torch path with the same semantics
 # otherwise (bf16/fp16 activations, CUDA, torch.compile tracing, no compiler at install time).
 _fused, FUSED_UNAVAILABLE_REASON = _load_native("_fused")

@@ -42,7 +42,8 @@ def _linear(module: nn.Module, mod) -> Any | None:
     if type(module) is NativeQuantLinear:
         if not module.qweight.is_cpu:
             return None
-        return mod.Linear.quantized(module.qweight, module.scales, module.mins, bias, kernels.DENSE_MIN_ROWS)
+        return mod.Linear.quantized(module.qweight, module.scales, module.mins, bias, kernels.DENSE_MIN_ROWS,
+                                    kernels.PANEL_MIN_ROWS)
     return None
 
 

@@ -1,6 +1,6 @@
 """Weight-only quantized linears, and the formats they read.
 
-Two kernels. Where warmstart's compiled kernel loads (kernels/csrc/qlinear.cpp: x86-64-v3 and up), it runs on the
+Two kernels. Where warmstart's compiled kernel loads (kernels/csrc/qlinear.h: x86-64-v3 and up), it runs on the
 canonical tensors as they are stored (no repacking at load, float32 scales kept exact) with activations quantized
 to int8 per block of 32, as llama.cpp does: on AVX2 hosts torch's int4 kernel is compute-bound at M=1 and no
 faster than float32 (benchmarks/decode.py). Elsewhere, torch's own kernels on bfloat16 activations, below.

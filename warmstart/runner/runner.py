@@ -239,6 +239,12 @@ class ModelRunner:
         positions = torch.cat([torch.arange(n) for n in lens]).to(self.device)
         hidden = self.forward(ids, positions, attn)
         rows = min(max_num_seqs, num_tokens)
+        if rows < num_tokens:
+            # A decode-sized step too: the quantized linears pick their kernel by row count, and the panel kernel's
+            # per-thread scratch (kernels.PANEL_MIN_ROWS) must exist, and be counted, before the KV cache is sized.
+            del hidden
+            attn.meta = AttentionMeta(torch.empty(0), [SeqSlice(0, rows, rows)])
+            hidden = self.forward(ids[:rows], positions[:rows], attn)
         logits = self.model.compute_logits(hidden[-rows:])
         p = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)
         scratch = torch.Generator(device=self.device)          # profiling draws must not move any RNG in use

@@ -22,11 +22,11 @@ struct Linear {
   at::Tensor weight;                     // defined for a float linear
   at::Tensor qweight, scales;            // quantized
   std::optional<at::Tensor> mins, bias;  // mins: int4 only
-  int64_t dense_min_rows = 0;
+  int64_t dense_min_rows = 0, panel_min_rows = 0;
 
   at::Tensor operator()(const at::Tensor& x) const {
     if (weight.defined()) return at::linear(x, weight, bias);
-    at::Tensor y = ws::qlinear::qlinear(x, qweight, scales, mins, dense_min_rows);
+    at::Tensor y = ws::qlinear::qlinear(x, qweight, scales, mins, dense_min_rows, panel_min_rows);
     return bias ? y.add_(*bias) : y;
   }
 };
@@ -93,14 +93,15 @@ class Stack {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Linear>(m, "Linear")
-      .def_static("dense", [](at::Tensor w, std::optional<at::Tensor> b) { return Linear{w, {}, {}, {}, b, 0}; },
+      .def_static("dense", [](at::Tensor w, std::optional<at::Tensor> b) { return Linear{w, {}, {}, {}, b, 0, 0}; },
                   py::arg("weight"), py::arg("bias") = py::none())
       .def_static("quantized",
                   [](at::Tensor qw, at::Tensor sc, std::optional<at::Tensor> mins, std::optional<at::Tensor> b,
-                     int64_t dense_min_rows) {
-                    return Linear{{}, qw, sc, mins, b, dense_min_rows};
+                     int64_t dense_min_rows, int64_t panel_min_rows) {
+                    return Linear{{}, qw, sc, mins, b, dense_min_rows, panel_min_rows};
                   },
-                  py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bias"), py::arg("dense_min_rows"));
+                  py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bias"), py::arg("dense_min_rows"),
+                  py::arg("panel_min_rows"));
   py::class_<Layer>(m, "Layer")
       .def(py::init([](at::Tensor ln1, at::Tensor ln2, double eps, std::vector<Linear> qkv, Linear o,
                        std::vector<Linear> gate_up, Linear down) {

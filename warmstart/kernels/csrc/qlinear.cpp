@@ -4,6 +4,7 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear", &ws::qlinear::qlinear, "int4/int8 weight x int8-quantized activation linear (fp32 output)",
         py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins") = py::none(), py::arg("dense_min_rows") = 0,
+        py::arg("panel_min_rows") = 0,
         py::call_guard<py::gil_scoped_release>());
   m.attr("simd") = WS_AVX2 ? "avx2+fma" : "scalar";
   m.attr("openmp") = ws::kOpenMP;

@@ -241,11 +241,10 @@ void dequantize_rows(bool int4, const uint8_t* w4, const int8_t* w8, const float
   }
 }
 
-// Many rows (prefill, big decode batches): the int8-activation kernel costs ~7 instructions per 32 products per
-// row, no better than float32 FMA, so from `dense_min_rows` rows on the weight is expanded to float32, a tile of
-// output columns at a time into a reused per-thread buffer (at most kDenseTile floats: 8 MiB, counted by the boot's
-// activation profile, which runs this path), and multiplied by the float32 GEMM: full-precision activations,
-// exact weight values.
+// Many rows (long prefill chunks): from `dense_min_rows` rows on the weight is expanded to float32, a tile of output
+// columns at a time into a reused buffer (at most kDenseTile floats: 8 MiB), and multiplied by torch's float32 GEMM:
+// full-precision activations, exact weight values. The boot's profiling forward runs this path and the panel path
+// below, so their buffers are part of the process size the memory plan reconciles.
 constexpr int64_t kDenseTile = int64_t(1) << 21;
 
 torch::Tensor dense_qlinear(const torch::Tensor& xf, bool int4, const uint8_t* w4, const int8_t* w8, const float* sc,
@@ -269,8 +268,75 @@ torch::Tensor dense_qlinear(const torch::Tensor& xf, bool int4, const uint8_t* w
   return y;
 }
 
+// A middle number of rows (decode batches): the weight is expanded to float32 a panel of kPanel output rows at a time
+// into a per-thread buffer that stays in L2, and multiplied there by a register-blocked float32 kernel (4 x rows by
+// 3 weight rows: 12 accumulators, 7 loads per 12 FMAs), so each weight byte is read from memory once per step and
+// the arithmetic runs near the FMA units' peak. Full-precision activations, exact weight values; panels are fixed
+// by kPanel, not by the thread count, so results do not depend on it.
+constexpr int64_t kPanel = 48;
+
+#if WS_AVX2
+template <int R, int C>
+inline void dot_block(const float* x, int64_t K, const float* w, float* y, int64_t ldy) {
+  __m256 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {  // K is a multiple of 32
+    __m256 wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = _mm256_loadu_ps(w + c * K + k);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_loadu_ps(x + r * K + k);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) y[r * ldy + c] = hsum(acc[r][c]);
+}
+
+template <int R>
+inline void dot_rows(const float* x, int64_t K, const float* w, int64_t n, float* y, int64_t ldy) {
+  int64_t c = 0;
+  for (; c + 3 <= n; c += 3) dot_block<R, 3>(x, K, w + c * K, y + c, ldy);
+  for (; c < n; ++c) dot_block<R, 1>(x, K, w + c * K, y + c, ldy);
+}
+#endif
+
+torch::Tensor panel_qlinear(const torch::Tensor& xf, bool int4, const uint8_t* w4, const int8_t* w8, const float* sc,
+                            const float* mn, int64_t N, int64_t K) {
+  const int64_t M = xf.size(0);
+  auto y = torch::empty({M, N}, xf.options());
+  const float* x = xf.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, (N + kPanel - 1) / kPanel, 1, [&](int64_t pb, int64_t pe) {
+    thread_local std::vector<float> buf;
+    if (static_cast<int64_t>(buf.size()) < kPanel * K) buf.resize(kPanel * K);
+    for (int64_t p = pb; p < pe; ++p) {
+      const int64_t n0 = p * kPanel, n1 = std::min(N, n0 + kPanel);
+      dequantize_rows(int4, w4, w8, sc, mn, n0, n1, K, buf.data() - n0 * K);
+#if WS_AVX2
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) dot_rows<4>(x + m * K, K, buf.data(), n1 - n0, yp + m * N + n0, N);
+      switch (M - m) {
+        case 3: dot_rows<3>(x + m * K, K, buf.data(), n1 - n0, yp + m * N + n0, N); break;
+        case 2: dot_rows<2>(x + m * K, K, buf.data(), n1 - n0, yp + m * N + n0, N); break;
+        case 1: dot_rows<1>(x + m * K, K, buf.data(), n1 - n0, yp + m * N + n0, N); break;
+        default: break;
+      }
+#else
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = n0; n < n1; ++n) {
+          float acc = 0.f;
+          for (int64_t k = 0; k < K; ++k) acc += x[m * K + k] * buf[(n - n0) * K + k];
+          yp[m * N + n] = acc;
+        }
+#endif
+    }
+  });
+  return y;
+}
+
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, c10::optional<torch::Tensor> mins,
-                      int64_t dense_min_rows) {
+                      int64_t dense_min_rows, int64_t panel_min_rows = 0) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "x must be a 2-D CPU tensor");
   TORCH_CHECK(qweight.is_contiguous() && scales.is_contiguous() && scales.scalar_type() == torch::kFloat,
               "qweight and float32 scales must be contiguous");
@@ -281,6 +347,10 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scal
   TORCH_CHECK(scales.size(0) == N && scales.size(1) == nb, "scales must be [N, K/32]");
   if (int4) TORCH_CHECK(mins->is_contiguous() && mins->sizes() == scales.sizes(), "mins must match scales");
   auto xf = x.to(torch::kFloat).contiguous();
+  if (panel_min_rows > 0 && M >= panel_min_rows && (dense_min_rows <= 0 || M < dense_min_rows))
+    return panel_qlinear(xf, int4, int4 ? qweight.data_ptr<uint8_t>() : nullptr,
+                         int4 ? nullptr : qweight.data_ptr<int8_t>(), scales.data_ptr<float>(),
+                         int4 ? mins->data_ptr<float>() : nullptr, N, K);
   if (dense_min_rows > 0 && M >= dense_min_rows)
     return dense_qlinear(xf, int4, int4 ? qweight.data_ptr<uint8_t>() : nullptr,
                          int4 ? nullptr : qweight.data_ptr<int8_t>(), scales.data_ptr<float>(),
