@@ -232,10 +232,10 @@ def main() -> int:
     # (WARMSTART_NO_NATIVE_STACK); the compiled stack's step, same context, is measured beside it.
     res["step_breakdown"] = {}
     for c in (40, 2048):
-        args = {"batch": 1, "ctx": c, "n": min(n, 64), "dtype": "float32", "quantization": "auto"}
-        b = (spawn("ws", {**args, "breakdown": True}, {"WARMSTART_NO_NATIVE_STACK": "1"}) or {}).get(
+        one = {"batch": 1, "ctx": c, "n": min(n, 64), "dtype": "float32", "quantization": "auto"}
+        b = (spawn("ws", {**one, "breakdown": True}, {"WARMSTART_NO_NATIVE_STACK": "1"}) or {}).get(
             "breakdown_ms_per_step")
-        stack = spawn("ws", args)
+        stack = spawn("ws", one)
         if b and stack:
             b["step_stack"] = 1e3 / stack["tok_s"]
         res["step_breakdown"][c] = b

@@ -47,9 +47,9 @@ def _linear(module: nn.Module, mod) -> Any | None:
     return None
 
 
-def _group(owner: nn.Module, fused: str, parts: tuple[str, ...]) -> list | None:
+def _group(owner: nn.Module, fused: str, parts: tuple[str, ...], mod) -> list | None:
     names = (fused,) if hasattr(owner, fused) else parts
-    linears = [_linear(getattr(owner, n), kernels.native_stack()) for n in names]
+    linears = [_linear(getattr(owner, n), mod) for n in names]
     return None if any(lin is None for lin in linears) else linears
 
 
@@ -66,8 +66,8 @@ def build(body: nn.Module) -> Any | None:
         if attn.qk_norm or any(n.weight.dtype is not torch.float32 or not n.weight.is_cpu for n in norms) \
                 or norms[0].eps != norms[1].eps:
             return None
-        qkv = _group(attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
-        gate_up = _group(mlp, "gate_up_proj", ("gate_proj", "up_proj"))
+        qkv = _group(attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"), mod)
+        gate_up = _group(mlp, "gate_up_proj", ("gate_proj", "up_proj"), mod)
         o, down = _linear(attn.o_proj, mod), _linear(mlp.down_proj, mod)
         if qkv is None or gate_up is None or o is None or down is None:
             return None
