@@ -129,23 +129,28 @@ def test_postprocess_modes_keep_names_and_shrink_bytes(kernel):
     assert nbytes(int4) < nbytes(int8) < nbytes(none)
 
 
+def _compiled_case(kind: str, n: int, k: int, rows: int):
+    """The compiled kernel's arguments (x [rows, k] and a random [n, k] weight quantized as `kind`) and x times the
+    dequantized weight; skips where the kernel is not built."""
+    from warmstart import kernels
+    if not kernels.has_qlinear():
+        pytest.skip("the compiled quantized-linear kernel is not built here")
+    w = torch.randn(n, k)
+    canon = quant.quantize_int4(w) if kind == "int4" else quant.quantize_int8(w)
+    ready = quant.prepare(canon)
+    x = torch.randn(rows, k)
+    return (x, ready["qweight"], ready["scales"], ready.get("mins")), x @ quant.dequantize(canon).t()
+
+
 @pytest.mark.parametrize("kind", ["int4", "int8"])
 def test_dense_path_equals_the_dequantized_weight_across_tiles(kind):
     """From DENSE_MIN_ROWS rows on the kernel expands the weight to float32 in tiles of output columns: with K this
     large a tile is 64 rows, so N = 130 spans three tiles, the last one partial."""
     from warmstart import kernels
-    if not kernels.has_qlinear():
-        pytest.skip("the compiled quantized-linear kernel is not built here")
-    n, k = 130, 32768
-    w = torch.randn(n, k)
-    canon = quant.quantize_int4(w) if kind == "int4" else quant.quantize_int8(w)
-    ready = quant.prepare(canon)
-    x = torch.randn(kernels.DENSE_MIN_ROWS, k)
-    y = kernels.qlinear(x, ready["qweight"], ready["scales"], ready.get("mins"))
-    want = x @ quant.dequantize(canon).t()
+    args, want = _compiled_case(kind, 130, 32768, kernels.DENSE_MIN_ROWS)
+    y = kernels.qlinear(*args)
     assert torch.allclose(y, want, atol=1e-3 * want.abs().max().item(), rtol=0)
-    y_int8_act = kernels.qlinear(x, ready["qweight"], ready["scales"], ready.get("mins"), dense_min_rows=0,
-                                 panel_min_rows=0)
+    y_int8_act = kernels.qlinear(*args, dense_min_rows=0, panel_min_rows=0)
     assert (y_int8_act - want).abs().max() > (y - want).abs().max()     # the dense path really ran: it is exact
 
 
@@ -156,16 +161,8 @@ def test_panel_path_equals_the_dequantized_weight(kind, rows):
     rows by 3 weight rows: N = 130 spans three panels (the last partial, 34 rows: not a multiple of 3) and the row
     counts leave every remainder of 4."""
     from warmstart import kernels
-    if not kernels.has_qlinear():
-        pytest.skip("the compiled quantized-linear kernel is not built here")
-    n, k = 130, 320
-    w = torch.randn(n, k)
-    canon = quant.quantize_int4(w) if kind == "int4" else quant.quantize_int8(w)
-    ready = quant.prepare(canon)
-    x = torch.randn(rows, k)
-    args = (x, ready["qweight"], ready["scales"], ready.get("mins"))
+    args, want = _compiled_case(kind, 130, 320, rows)
     y = kernels.qlinear(*args)
-    want = x @ quant.dequantize(canon).t()
     assert torch.allclose(y, want, atol=1e-5 * want.abs().max().item(), rtol=0)
     y_int8_act = kernels.qlinear(*args, dense_min_rows=0, panel_min_rows=0)
     assert (y_int8_act - want).abs().max() > 10 * (y - want).abs().max()   # the panel path really ran
