@@ -62,7 +62,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
     g.add_argument("--threads", type=int, default=None,
                    help="CPU threads for the model (default: the cores this process may use, from its affinity "
                         "mask and cgroup quota). Idle threads spin briefly, then sleep (OMP_WAIT_POLICY=PASSIVE, "
-                        "GOMP_SPINCOUNT=100000) unless the environment sets those")
+                        "GOMP_SPINCOUNT=100000) unless the environment sets those. When the threads match the CPUs one to one, "
+                        "each thread is pinned to its own CPU while a step runs (WARMSTART_PIN_THREADS=0 turns that "
+                        "off; OMP_PROC_BIND/OMP_PLACES in the environment win); the startup report shows it")
     g = p.add_argument_group("tensor parallel")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="shard the model over N ranks (processes this command launches; gloo on CPU, NCCL on "

@@ -43,10 +43,13 @@ class ThreadSettings:
     wait_policy: str              # OMP_WAIT_POLICY in force when torch's OpenMP runtime loaded
     policy_source: str            # "warmstart default" | "environment" | "set after torch loaded (no effect)"
     spin_count: str | None = None  # GOMP_SPINCOUNT in force when torch's OpenMP runtime loaded (None: libgomp's)
+    pin_cpus: tuple[int, ...] | None = None   # team thread t runs on pin_cpus[t] during a step; None: not pinned
+    pinning: str = ""             # why pin_cpus is what it is
 
     def to_dict(self) -> dict:
         return {"threads": self.threads, "available_cpus": self.available_cpus, "wait_policy": self.wait_policy,
-                "policy_source": self.policy_source, "spin_count": self.spin_count}
+                "policy_source": self.policy_source, "spin_count": self.spin_count,
+                "pin_cpus": list(self.pin_cpus) if self.pin_cpus else None, "pinning": self.pinning}
 
 
 def available_cpus() -> int:
@@ -104,8 +107,31 @@ def configure(threads: int | None = None) -> ThreadSettings:
         import torch
         if torch.get_num_threads() != n:
             torch.set_num_threads(n)
-    _settings = ThreadSettings(n, avail, policy, source, os.environ.get("GOMP_SPINCOUNT"))
+    pin, why = _pin_cpus(n, avail)
+    _settings = ThreadSettings(n, avail, policy, source, os.environ.get("GOMP_SPINCOUNT"), pin, why)
     return _settings
+
+
+PIN_ENV = "WARMSTART_PIN_THREADS"
+_USER_PLACEMENT = ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY")
+
+
+def _pin_cpus(n: int, avail: int) -> tuple[tuple[int, ...] | None, str]:
+    """The CPUs a team of n threads is pinned to (one each), or None, with the reason."""
+    if os.environ.get(PIN_ENV, "").strip().lower() in ("0", "off", "false", "no"):
+        return None, f"off ({PIN_ENV}={os.environ[PIN_ENV]})"
+    user = [k for k in _USER_PLACEMENT if k in os.environ]
+    if user:
+        return None, f"the environment's ({', '.join(user)})"
+    if n < 2:
+        return None, "off (one thread)"
+    try:
+        cpus = tuple(sorted(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return None, "off (no affinity mask on this platform)"
+    if len(cpus) != n or avail != n:
+        return None, f"off ({n} threads for {avail} CPUs: the scheduler places them)"
+    return cpus, "one thread per CPU"
 
 
 def _set_defaults() -> None:

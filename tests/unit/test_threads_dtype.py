@@ -55,6 +55,56 @@ def test_torch_loaded_first_is_reported_not_hidden():
     assert settings["policy_source"] == "set after torch loaded (no effect)" and settings["threads"] == 1
 
 
+def test_pinning_needs_one_thread_per_cpu_and_yields_to_the_users_placement():
+    settings, _, _ = json.loads(run_py(PROBE, affinity={0}))
+    assert settings["pin_cpus"] is None and settings["pinning"] == "off (one thread)"
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 CPUs")
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    settings, _, _ = json.loads(run_py(PROBE, affinity=set(cpus)))
+    assert settings["pin_cpus"] == cpus and settings["pinning"] == "one thread per CPU"
+    settings, _, _ = json.loads(run_py(PROBE, env={"OMP_NUM_THREADS": "1"}, affinity=set(cpus)))
+    assert settings["pin_cpus"] is None
+    settings, _, _ = json.loads(run_py(PROBE, env={"WARMSTART_PIN_THREADS": "0"}, affinity=set(cpus)))
+    assert settings["pin_cpus"] is None and settings["pinning"] == "off (WARMSTART_PIN_THREADS=0)"
+    settings, _, _ = json.loads(run_py(PROBE, env={"OMP_PLACES": "cores"}, affinity=set(cpus)))
+    assert settings["pin_cpus"] is None and "OMP_PLACES" in settings["pinning"]
+
+
+STEP = """
+import json, os, threading
+from warmstart import threads
+s = threads.configure()
+import torch
+from warmstart.runner.affinity import StepPinning
+def masks():
+    out = {}
+    for t in os.listdir('/proc/self/task'):
+        line = [l for l in open(f'/proc/self/task/{t}/status') if l.startswith('Cpus_allowed_list')][0]
+        out[int(t)] = line.split()[-1]
+    return out
+a = torch.randn(512, 512)
+pin = StepPinning(s.pin_cpus)
+with pin():
+    inside = sorted(os.sched_getaffinity(0)); a @ a
+    during = masks()
+after = sorted(os.sched_getaffinity(0))
+print(json.dumps([s.pin_cpus, inside, after, during, threading.get_native_id()]))
+"""
+
+
+def test_a_step_runs_one_thread_per_cpu_and_the_caller_gets_its_mask_back():
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 CPUs")
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    pin_cpus, inside, after, during, me = json.loads(run_py(STEP, affinity=set(cpus)))
+    assert pin_cpus == cpus
+    assert inside == [cpus[0]] and after == cpus         # the caller: pinned for the step only
+    assert during[str(me)] == str(cpus[0])
+    # the OpenMP worker that ran half of the matmul is pinned to the other CPU
+    assert str(cpus[1]) in during.values()
+
+
 @pytest.mark.parametrize("flags,expected", [("avx2,fma", "float32"), ("avx2,avx512f,amx_bf16", "bfloat16")])
 def test_dtype_rules_that_need_no_measurement(flags, expected, tmp_path):
     choice = dtype_probe.choose_cpu_dtype("cpu", flags, [(64, 32)], tmp_path)

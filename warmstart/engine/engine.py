@@ -1,10 +1,11 @@
 """Engine: add / abort / step. A step is: schedule -> execute -> postprocess."""
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 from dataclasses import dataclass, replace
-from typing import Callable, Protocol
+from typing import Callable, ContextManager, Protocol
 
 from warmstart.engine.block_manager import BlockManager
 from warmstart.engine.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
@@ -39,8 +40,10 @@ class Engine:
     def __init__(self, executor: Executor, limits: SchedulerLimits, num_blocks: int, block_size: int,
                  vocab_size: int, eos_token_ids: tuple[int, ...] = (),
                  decode: Callable[[list[int]], str] | None = None, enable_prefix_caching: bool = True,
-                 proposer=None, num_speculative_tokens: int = 0):
+                 proposer=None, num_speculative_tokens: int = 0,
+                 pinning: Callable[[], ContextManager[None]] = contextlib.nullcontext):
         self.executor, self.limits, self.vocab_size = executor, limits, vocab_size
+        self.pinning = pinning                   # a step's threads pinned while it runs (runner/affinity.py)
         self.blocks = BlockManager(num_blocks, block_size, enable_caching=enable_prefix_caching)
         # Speculative decoding (warmstart/spec): the proposer drafts up to K tokens per decoding sequence, the
         # runner verifies them in the step's one target forward.
@@ -106,6 +109,10 @@ class Engine:
 
     # -- the step -------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        with self.pinning():
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         self.scheduler.release_forks()
         out = self.scheduler.schedule()
         self.num_preemptions += len(out.preempted)

@@ -207,6 +207,12 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def pin_workers(cpus: list[int]) -> int:
+    """Pin team thread t >= 1 of the calling thread's OpenMP pool to cpus[t] (csrc/affinity.h); the caller pins
+    itself. Returns how many workers were pinned: 0 without the compiled glue (nothing pinned, nothing breaks)."""
+    return _fused.pin_workers(list(cpus)) if _fused is not None else 0
+
+
 # ------------------------------------------------------------------------------------------------ decoder stack
 # The decoder's layer loop over the kernels above, in one call (csrc/decoder_stack.cpp); warmstart/models/native.py
 # decides when a model and a step may use it.

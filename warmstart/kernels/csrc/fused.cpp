@@ -1,4 +1,7 @@
-// Python binding of the decode step's fused glue (see fused.h).
+// Python binding of the decode step's fused glue (see fused.h), and the pinning of OpenMP workers (affinity.h).
+#include <pybind11/stl.h>
+
+#include "affinity.h"
 #include "fused.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -8,5 +11,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &ws::fused::write_kv, py::arg("k"), py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"),
         py::call_guard<py::gil_scoped_release>());
   m.def("silu_mul", &ws::fused::silu_mul, py::arg("x"), py::call_guard<py::gil_scoped_release>());
+  m.def("pin_workers", &ws::affinity::pin_workers, py::arg("cpus"));
   m.attr("openmp") = ws::kOpenMP;
 }

@@ -1,0 +1,45 @@
+// Pinning the OpenMP workers of the calling thread's team, one CPU each (what vLLM's CPU backend and llama.cpp's
+// --cpu-strict do). Why: on a host where other processes keep the cores busy, the scheduler balances runnable tasks
+// by count, so it may leave an engine's master and its worker time-sliced on one core while the neighbours share the
+// other. Then every parallel region waits a scheduler slice for the worker, and a 2-thread decode that runs at
+// ~50 tok/s under such a load falls to 1-3 tok/s (benchmarks/decode.py, under load). With one thread per CPU the
+// team is never stacked on one core. warmstart/runner/affinity.py decides when to pin and pins the master itself.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+#if defined(__linux__)
+#include <sched.h>
+#endif
+
+namespace ws::affinity {
+
+// Team thread t (t >= 1) of the calling thread's OpenMP pool is pinned to cpus[t]; thread 0, the caller, is left as
+// it is. libgomp keeps a pool per calling thread and gives team thread t the same pool thread every region, so the
+// pinning holds for every later region of this caller with up to cpus.size() threads. Returns how many workers were
+// pinned (0 without OpenMP or off Linux).
+inline int64_t pin_workers(const std::vector<int64_t>& cpus) {
+  int64_t pinned = 0;
+#if defined(_OPENMP) && defined(__linux__)
+  const int n = static_cast<int>(cpus.size());
+  if (n < 2) return 0;
+#pragma omp parallel num_threads(n) reduction(+ : pinned)
+  {
+    const int t = omp_get_thread_num();
+    if (t > 0) {
+      cpu_set_t set;
+      CPU_ZERO(&set);
+      CPU_SET(static_cast<int>(cpus[t]), &set);
+      if (sched_setaffinity(0, sizeof(set), &set) == 0) pinned += 1;
+    }
+  }
+#else
+  (void)cpus;
+#endif
+  return pinned;
+}
+
+}  // namespace ws::affinity
