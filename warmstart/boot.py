@@ -149,7 +149,7 @@ def boot_shard(config: EngineConfig, timer: StepTimer, group=None) -> Shard:
         facts = device.facts()
         free_at_boot = device.free_bytes()
         dtype = resolve_dtype(config.dtype, facts, spec, config.cache_dir)
-        kv_dtype = dtype if config.kv_cache_dtype == "auto" else DTYPES[config.kv_cache_dtype]
+        kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype, config.device_kind)
         max_model_len = _max_model_len(config, spec)
         torch.manual_seed(config.seed)
         draft_dir = draft_spec = None
@@ -372,3 +372,15 @@ def _warm_up(engine: Engine) -> None:
     engine.step()                                  # flushes the finished id to the runner
     engine.scheduler.prefix_stats = PrefixStats()  # the warm-up is not traffic: hit rates start at the first request
     engine.spec_stats = SpecStats(engine.spec_stats.method, engine.spec_stats.num_speculative_tokens)
+
+
+def resolve_kv_dtype(kv_cache_dtype: str, dtype: torch.dtype, device_kind: str) -> torch.dtype:
+    """The KV cache's dtype. auto: float16 for a float32 model on CPU, as llama.cpp's default F16 cache (a long
+    context's decode reads the whole cache every step, and at 2,048 tokens the float16 step is ~1.4x faster; the
+    cache holds twice the blocks); the model dtype otherwise. An explicit --kv-cache-dtype always wins; int8 is the
+    quantized CPU cache (kernels.quantize_kv_rows)."""
+    if kv_cache_dtype == "int8":
+        return torch.int8
+    if kv_cache_dtype != "auto":
+        return DTYPES[kv_cache_dtype]
+    return torch.float16 if device_kind == "cpu" and dtype is torch.float32 else dtype

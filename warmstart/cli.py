@@ -48,10 +48,13 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
     g.add_argument("--block-size", type=int, default=_D["block_size"],
                    help=f"tokens per KV block (default {_D['block_size']})")
     g.add_argument("--kv-cache-dtype", default=_D["kv_cache_dtype"],
-                   choices=["auto", "float32", "bfloat16", "float16"],
-                   help="default: the model dtype. On CPU, float16 halves the bytes a long context reads per step "
-                        "and the paged-attention kernel runs it about 1.5x faster than float32 at 2,048 tokens "
-                        "(benchmarks/paged_attention.py); it doubles the KV blocks a budget holds")
+                   choices=["auto", "float32", "bfloat16", "float16", "int8"],
+                   help="auto (default): float16 for a float32 model on CPU (as llama.cpp's F16 cache: it halves the "
+                        "bytes a long context reads per step, the paged-attention kernel runs it about 1.5x faster "
+                        "than float32 at 2,048 tokens, benchmarks/paged_attention.py, and a budget holds twice the "
+                        "blocks), the model dtype otherwise. float32 keeps the cache exact. int8 (CPU): each token's "
+                        "K/V row per head as int8 codes with a float32 scale, 68 bytes per 64 values, about half of "
+                        "float16's reads and 1.9x its blocks, at a small accuracy cost")
     g.add_argument("--quantization", default=_D["quantization"], choices=["auto", "none", "int8", "int4"],
                    help="weight-only quantization on CPU. auto: an imported GGUF keeps its own formats (Q4_0/Q4_1/"
                         "Q4_K as int4 in groups of 32, Q5/Q6_K/Q8_0 as int8 per row), a float checkpoint stays float; "

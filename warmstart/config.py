@@ -113,8 +113,12 @@ class EngineConfig:
                f"--max-num-batched-tokens must be positive, got {self.max_num_batched_tokens}.")
         _check(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0 and self.block_size <= 1024,
                f"--block-size must be a power of two up to 1024, got {self.block_size}.")
-        _check(self.kv_cache_dtype in ("auto", "float32", "bfloat16", "float16"),
-               f"--kv-cache-dtype {self.kv_cache_dtype!r} is not supported; use auto, float32, bfloat16 or float16.")
+        _check(self.kv_cache_dtype in ("auto", "float32", "bfloat16", "float16", "int8"),
+               f"--kv-cache-dtype {self.kv_cache_dtype!r} is not supported; use auto, float32, bfloat16, float16 "
+               "or int8.")
+        _check(self.kv_cache_dtype != "int8" or self.device_kind == "cpu",
+               "--kv-cache-dtype int8 is a CPU cache (its kernels are CPU kernels); on CUDA use auto, bfloat16 or "
+               "float16.")
         _check(self.quantization in ("auto", "none", "int8", "int4"),
                f"--quantization {self.quantization!r} is not one of auto, none, int8, int4.")
         _check(self.startup_plan in ("auto", "off", "read", "write", "require"),

@@ -39,8 +39,8 @@ def test_greedy_ids_equal_reference(ckpt, chunk):
 
 def test_preemption_with_paged_attention_equals_reference(ckpt):
     # 12 blocks of 16 tokens cannot hold all five sequences at once: the scheduler preempts and recomputes.
-    small = LLM(str(ckpt), dtype="float32", startup_plan="off", max_model_len=128, max_num_batched_tokens=64,
-                kv_cache_memory=12 * 16 * small_block_bytes(ckpt))
+    small = LLM(str(ckpt), dtype="float32", kv_cache_dtype="float32", startup_plan="off", max_model_len=128,
+                max_num_batched_tokens=64, kv_cache_memory=12 * 16 * small_block_bytes(ckpt))
     assert small.booted.ledger.num_kv_blocks == 12
     prompts = [p[:60] for p in PROMPTS]
     assert run(small, reference=False, prompts=prompts, n=30) == run(small, reference=True, prompts=prompts, n=30)

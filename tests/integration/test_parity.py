@@ -1,5 +1,6 @@
-"""Parity with Hugging Face transformers on the same checkpoint, per family, in float32:
-greedy token ids equal transformers' generate, and prompt logits agree within LOGIT_ATOL."""
+"""Parity with Hugging Face transformers on the same checkpoint, per family, in float32 with a float32 KV cache:
+greedy token ids equal transformers' generate, and prompt logits agree within LOGIT_ATOL. The CPU default cache
+(float16 for a float32 model) is checked against the same reference within F16_KV_ATOL."""
 import pytest
 import torch
 import transformers
@@ -10,13 +11,18 @@ from warmstart.runner.batch import BatchItem
 
 # Same math in a different order (SDPA kernels, packed batches): float32 rounding differences stay far below this.
 LOGIT_ATOL = 2e-4
+# K/V rounded to float16 (11-bit mantissa, relative error <= 2^-11) before attention reads them back.
+F16_KV_ATOL = 5e-3
+# K/V as int8 codes of a per-(token, head) scale: error up to max|row| / 254 per value.
+INT8_KV_ATOL = 5e-2
 PROMPTS = [[5, 17, 33, 100, 7], [9, 9, 9, 200, 300, 12, 44, 1, 2, 3, 4, 5], [42], list(range(3, 60))]
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def pair(request, tmp_path_factory):
     d = write_checkpoint(tmp_path_factory.mktemp(request.param), request.param, layers=3)
-    llm = LLM(str(d), kv_cache_memory=16 * 2**20, max_model_len=256, dtype="float32", startup_plan="off")
+    llm = LLM(str(d), kv_cache_memory=16 * 2**20, max_model_len=256, dtype="float32", kv_cache_dtype="float32",
+              startup_plan="off")
     hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     return llm, hf
 
@@ -71,3 +77,43 @@ def test_logprobs_match_transformers(pair):
         row = ref[len(prompt) - 1 + k]
         assert lp.logprob == pytest.approx(row[out.output_token_ids[k]].item(), abs=LOGIT_ATOL)
         assert lp.top[0][0] == out.output_token_ids[k]           # greedy picks the top token
+
+
+def test_the_default_cpu_cache_is_float16_and_stays_close_to_transformers(pair):
+    _, hf = pair
+    llm = LLM(str(hf.name_or_path), kv_cache_memory=16 * 2**20, max_model_len=256, dtype="float32",
+              startup_plan="off")
+    assert llm.booted.runner.kv.dtype is torch.float16
+    worst = 0.0
+    for prompt in PROMPTS:
+        ours = engine_prompt_logits(llm, prompt)
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt])).logits[0].float()
+        worst = max(worst, (ours - ref).abs().max().item())
+    assert 0 < worst < F16_KV_ATOL          # not exact (the cache is rounded), but close
+
+
+def test_int8_cache_holds_more_blocks_and_stays_close_to_transformers(pair):
+    _, hf = pair
+    kw = dict(kv_cache_memory=16 * 2**20, max_model_len=256, dtype="float32", startup_plan="off")
+    f16, i8 = LLM(hf.name_or_path, **kw), LLM(hf.name_or_path, kv_cache_dtype="int8", **kw)
+    d = i8.booted.runner.spec.head_dim
+    assert i8.booted.runner.kv.dtype is torch.int8 and i8.booted.runner.kv.shape[-1] == d + 4
+    assert i8.booted.runner.kv_block_bytes(16) * 2 * d == f16.booted.runner.kv_block_bytes(16) * (d + 4)
+    # the same budget holds 2D / (D + 4) times float16's blocks (1.88x at the default model's D = 64)
+    assert i8.booted.ledger.num_kv_blocks >= 0.99 * f16.booted.ledger.num_kv_blocks * 2 * d / (d + 4)
+    worst = 0.0
+    for prompt in PROMPTS:
+        ours = engine_prompt_logits(i8, prompt)
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt])).logits[0].float()
+        worst = max(worst, (ours - ref).abs().max().item())
+    assert 0 < worst < INT8_KV_ATOL
+    # greedy: every token the engine picks is transformers' argmax given the same prefix, or within the
+    # tolerance of it (a near-tie the cache's rounding may flip)
+    outs = i8.generate_ids(PROMPTS, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    for prompt, out in zip(PROMPTS, outs):
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt + out.output_token_ids])).logits[0, len(prompt) - 1:-1].float()
+        margin = ref.max(-1).values - ref.gather(1, torch.tensor(out.output_token_ids)[:, None])[:, 0]
+        assert (margin <= 2 * INT8_KV_ATOL).all(), margin.max()

@@ -14,7 +14,7 @@ import pytest
 from tests.checkpoints import write_checkpoint
 from tests.integration.test_plans import ROOT, boot, plan_files
 from warmstart.startup.ledger import MemoryLedger
-from warmstart.startup.plan import PlanKey, PlanStore, _checksum
+from warmstart.startup.plan import PLAN_SCHEMA, PlanKey, PlanStore, _checksum
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +50,10 @@ def _plant(plans: Path, digest: str, outside: Path) -> None:
     target.unlink()
     os.mkfifo(target)
     (plans / ("a" * 32 + ".json")).write_bytes(_nested(200_000))
-    wrong = {"schema": 1, "digest": "b" * 32, "key": [], "ledger": {"num_kv_blocks": "many"}, "created": "x"}
+    wrong = {"schema": PLAN_SCHEMA, "digest": "b" * 32, "key": [], "ledger": {"num_kv_blocks": "many"},
+             "created": "x"}
     (plans / ("b" * 32 + ".json")).write_text(json.dumps(wrong))
-    doc = {"schema": 1, "digest": "c" * 32, "key": {"x": 1}, "ledger": {k: 1.5 for k in
+    doc = {"schema": PLAN_SCHEMA, "digest": "c" * 32, "key": {"x": 1}, "ledger": {k: 1.5 for k in
                                                                         MemoryLedger.__dataclass_fields__}}
     doc["checksum"] = _checksum(doc)
     (plans / ("c" * 32 + ".json")).write_text(json.dumps(doc))

@@ -124,7 +124,7 @@ def test_stops_and_max_tokens_mid_proposal(target, plain, other):
 
 def test_preemption_and_chunked_prefill(target, other):
     """A cache too small for the batch (preemption by recompute) and a small token budget (chunked prefill)."""
-    args = dict(ARGS, kv_cache_memory=None, max_num_batched_tokens=32)
+    args = dict(ARGS, kv_cache_memory=None, max_num_batched_tokens=32, kv_cache_dtype="float32")  # sizes below: fp32
     base = LLM(str(target), **{**args, "kv_cache_memory": 24 * 12288})      # 24 blocks of 16 tokens
     small = dict(kv_cache_memory=24 * (12288 + 4096))                        # the same 24, draft KV beside
     assert base.booted.ledger.num_kv_blocks == 24

@@ -72,6 +72,24 @@ def test_write_kv(cache_dtype, rows):
     assert torch.equal(kc, kc_want) and torch.equal(vc, vc_want)   # same rounding (to nearest even) as .to()
 
 
+@pytest.mark.parametrize("rows", (1, 7))
+def test_write_kv_int8_rows_are_the_torch_paths_bytes(rows):
+    """The compiled int8 write (csrc/fused.h write_rows_i8) and kernels.quantize_kv_rows write the same bytes:
+    codes and float32 scale, rows of widely different magnitudes and an all-zero row included."""
+    hkv, d, slots_total = 3, 64, 50
+    kv = torch.randn(rows, 2 * hkv * d) * torch.logspace(-2, 2, rows)[:, None]
+    kv[0, :d] = 0
+    k, v = (t.view(rows, hkv, d) for t in kv.split((hkv * d, hkv * d), dim=-1))
+    slots = torch.randperm(slots_total)[:rows]
+    kc = torch.zeros(slots_total, hkv, d + kernels.KV_SCALE_BYTES, dtype=torch.int8)
+    vc = kc.clone()
+    kc_want, vc_want = kc.clone(), vc.clone()
+    kc_want.index_copy_(0, slots, kernels.quantize_kv_rows(k))
+    vc_want.index_copy_(0, slots, kernels.quantize_kv_rows(v))
+    kernels.write_kv(k, v, kc, vc, slots)
+    assert torch.equal(kc, kc_want) and torch.equal(vc, vc_want)
+
+
 def test_write_kv_rejects_a_slot_outside_the_cache():
     k = torch.randn(1, 3, 64)
     kc, vc = torch.zeros(4, 3, 64), torch.zeros(4, 3, 64)

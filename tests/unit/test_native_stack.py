@@ -27,9 +27,9 @@ class Counting:
         return self.stack.forward(*args)
 
 
-def boot(d, quantization):
+def boot(d, quantization, kv_cache_dtype="auto"):
     return LLM(str(d), dtype="float32", quantization=quantization, startup_plan="off", max_model_len=256,
-               kv_cache_memory=16 * 2**20)
+               kv_cache_memory=16 * 2**20, kv_cache_dtype=kv_cache_dtype)
 
 
 def step_logits(llm, prompt, chunk, stack):
@@ -54,10 +54,11 @@ def ckpt(request, tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp(request.param), request.param, layers=2)
 
 
-@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+@pytest.mark.parametrize("quantization,kv_cache_dtype", [("none", "auto"), ("int8", "auto"), ("int4", "auto"),
+                                                         ("int4", "float32"), ("int4", "int8")])
 @pytest.mark.parametrize("chunk", [1, 5, PAGED_MAX_Q])
-def test_logits_bit_identical_to_the_python_loop(ckpt, quantization, chunk):
-    llm = boot(ckpt, quantization)
+def test_logits_bit_identical_to_the_python_loop(ckpt, quantization, kv_cache_dtype, chunk):
+    llm = boot(ckpt, quantization, kv_cache_dtype)
     body = llm.booted.runner.model.model
     stack = native.build(body)
     assert stack is not None, "an eligible model must get the compiled stack"

@@ -44,8 +44,11 @@ def make_case(seqs, H, Hkv, D, bs, dtype=torch.float32, cache_dtype=None, seed=0
         seq_idx += [s] * n
         ctx_lens += list(range(L - n + 1, L + 1))
     q = torch.randn(len(seq_idx), H, D, generator=g).to(dtype)
-    return (q, kc.to(cache_dtype), vc.to(cache_dtype), bt, torch.tensor(seq_idx, dtype=torch.int32),
-            torch.tensor(ctx_lens, dtype=torch.int32))
+    if cache_dtype is torch.int8:        # int8 rows (codes + scale); a NaN row keeps a NaN scale: still poison
+        kc, vc = kernels.quantize_kv_rows(kc), kernels.quantize_kv_rows(vc)
+    else:
+        kc, vc = kc.to(cache_dtype), vc.to(cache_dtype)
+    return (q, kc, vc, bt, torch.tensor(seq_idx, dtype=torch.int32), torch.tensor(ctx_lens, dtype=torch.int32))
 
 
 def reference(q, kc, vc, bt, seq_idx, ctx_lens, scale):
@@ -58,8 +61,8 @@ def reference(q, kc, vc, bt, seq_idx, ctx_lens, scale):
         L = int(ctx_lens[rows].max())
         pos = torch.arange(L)
         slots = bt[s].long()[pos // bs] * bs + pos % bs
-        k = kc.flatten(0, 1)[slots].double().transpose(0, 1)          # [Hkv, L, D]
-        v = vc.flatten(0, 1)[slots].double().transpose(0, 1)
+        k = kernels.kv_rows_as(kc.flatten(0, 1)[slots], torch.float64).transpose(0, 1)   # [Hkv, L, D]
+        v = kernels.kv_rows_as(vc.flatten(0, 1)[slots], torch.float64).transpose(0, 1)
         mask = pos[None, :] < ctx_lens[rows].long()[:, None]          # [n, L]: causal offset within the context
         o = F.scaled_dot_product_attention(q[rows].double().transpose(0, 1), k, v, attn_mask=mask, scale=scale,
                                            enable_gqa=True)
@@ -209,8 +212,30 @@ def test_half_caches_odd_shapes(impl, cache_dtype, D, ratio):
     torch.testing.assert_close(out.double(), reference(*case, 0.2), **TOL[torch.float32])   # fp32 math on the rounded cache
 
 
+@pytest.mark.parametrize("impl", IMPLS.values(), ids=IMPLS.keys())
+@pytest.mark.parametrize("D,ratio", [(20, 1), (64, 3), (36, 5)])
+def test_int8_cache_equals_attention_over_its_dequantized_values(impl, D, ratio):
+    """The int8 cache's only error is the quantization itself: attention over the int8 rows equals fp32 attention
+    over the values they decode to (codes * scale), past the kernel's split and across tile edges."""
+    case = make_case(TILE_EDGES + [(530, 3)], H=3 * ratio, Hkv=3, D=D, bs=16, cache_dtype=torch.int8,
+                     seed=D + 7 * ratio)
+    assert case[1].dtype is torch.int8 and case[1].shape[-1] == D + kernels.KV_SCALE_BYTES
+    torch.testing.assert_close(impl(*case, 0.2).double(), reference(*case, 0.2), **TOL[torch.float32])
+
+
+def test_int8_rows_round_trip_within_half_a_step():
+    x = torch.randn(50, 3, 64) * torch.logspace(-3, 3, 50)[:, None, None]
+    x[7, 1] = 0                                              # an all-zero row: scale 0, codes 0
+    rows = kernels.quantize_kv_rows(x)
+    back = kernels.kv_rows_as(rows, torch.float32)
+    step = x.abs().amax(-1, keepdim=True) / 127
+    assert ((back - x).abs() <= step / 2 * (1 + 1e-6)).all()
+    assert torch.equal(back[7, 1], torch.zeros(64))
+    assert rows[..., :64].abs().max() == 127                 # every nonzero row uses the full code range
+
+
 @native
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8])
 def test_native_query_alone_equals_query_in_a_batch(cache_dtype):
     """A big batch runs all kv heads of an item in one task, a lone query one kv head per task: same arithmetic per
     (query, kv head), so bit-identical results."""

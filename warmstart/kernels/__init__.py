@@ -70,10 +70,41 @@ def has_native() -> bool:
     return _native is not None
 
 
+# ------------------------------------------------------------------------------------------------ int8 KV rows
+# An int8 cache row holds a (token, head)'s D codes, then its float32 scale in the next 4 bytes: x = code * scale,
+# scale = max|x| / 127 (per token and head, as llama.cpp's q8_0 cache does per block of 32). 68 bytes per row of 64
+# instead of 128 (float16): a long context's decode reads ~half the bytes, and a budget holds ~1.9x the blocks.
+KV_SCALE_BYTES = 4
+
+
+def kv_row_bytes(head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one (token, head) row of the KV cache."""
+    if dtype is torch.int8:
+        return head_dim + KV_SCALE_BYTES
+    return head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def quantize_kv_rows(x: torch.Tensor) -> torch.Tensor:
+    """float [..., D] -> int8 [..., D + 4] rows (codes, then the float32 scale's bytes); the compiled write_kv writes
+    the same bytes (csrc/fused.h write_rows_i8)."""
+    x = x.float()
+    d = x.abs().amax(-1, keepdim=True) / 127
+    codes = torch.where(d > 0, (x / d).round().clamp(-127, 127), torch.zeros_like(x)).to(torch.int8)
+    return torch.cat([codes, d.contiguous().view(torch.int8)], dim=-1)
+
+
+def kv_rows_as(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows [..., row] read back as [..., D] values of `dtype` (int8 rows: codes * scale)."""
+    if rows.dtype is not torch.int8:
+        return rows.to(dtype)
+    d = rows[..., -KV_SCALE_BYTES:].contiguous().view(torch.float32)
+    return (rows[..., :-KV_SCALE_BYTES].float() * d).to(dtype)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_idx: torch.Tensor, ctx_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [T, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; block_tables int32 [S, max_blocks];
-    seq_idx, ctx_lens int32 [T]. Returns [T, H, D] in q's dtype, accumulated in fp32."""
+    """q [T, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D] (D + 4 for int8 rows); block_tables int32
+    [S, max_blocks]; seq_idx, ctx_lens int32 [T]. Returns [T, H, D] in q's dtype, accumulated in fp32."""
     if _native is not None and q.device.type == "cpu" and k_cache.device.type == "cpu":
         if v_cache.dtype != k_cache.dtype:
             v_cache = v_cache.to(k_cache.dtype)
@@ -87,7 +118,7 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     """The same semantics in plain torch (any device): per sequence, gather its context blocks once, then attend all
     of that sequence's queries with a mask (position p visible to query t iff p < ctx_lens[t]). fp32 math."""
     T, H, D = q.shape
-    _, bs, Hkv, _ = k_cache.shape
+    _, bs, Hkv, row = k_cache.shape
     out = torch.zeros(T, H, D, dtype=torch.float32, device=q.device)
     if T == 0:
         return out.to(q.dtype)
@@ -102,8 +133,8 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
             continue
         nblk = -(-length // bs)
         ids = block_tables[s, :nblk].to(device=k_cache.device, dtype=torch.long)
-        kk = k_cache.index_select(0, ids).reshape(nblk * bs, Hkv, D)[:length].float()   # [L, Hkv, D]
-        vv = v_cache.index_select(0, ids).reshape(nblk * bs, Hkv, D)[:length].float()
+        kk = kv_rows_as(k_cache.index_select(0, ids).reshape(nblk * bs, Hkv, row)[:length], torch.float32)
+        vv = kv_rows_as(v_cache.index_select(0, ids).reshape(nblk * bs, Hkv, row)[:length], torch.float32)
         idx = torch.tensor(rows, device=q.device)
         qs = q.index_select(0, idx).float().view(len(rows), Hkv, G, D)                  # [n, Hkv, G, D]
         scores = torch.einsum("nkgd,lkd->nkgl", qs, kk) * scale                       # [n, Hkv, G, L]
@@ -190,10 +221,15 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slots: torch.Tensor) -> None:
-    """k_cache[slots] = k, v_cache[slots] = v, converted to the cache dtype. k, v [T, Hkv, D]; caches [S, Hkv, D]."""
+    """k_cache[slots] = k, v_cache[slots] = v, converted to the cache dtype (int8: quantized rows, see
+    quantize_kv_rows). k, v [T, Hkv, D]; caches [S, Hkv, D], or [S, Hkv, D + 4] int8."""
     if _use_fused(k, v) and k_cache.device.type == "cpu" and k.stride(2) == 1 and v.stride(2) == 1 \
             and k.stride(1) == k.shape[2] and v.stride(1) == v.shape[2] and slots.dtype == torch.long:
         _fused.write_kv(k, v, k_cache, v_cache, slots)
+        return
+    if k_cache.dtype is torch.int8:
+        k_cache.index_copy_(0, slots, quantize_kv_rows(k))
+        v_cache.index_copy_(0, slots, quantize_kv_rows(v))
         return
     k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
     v_cache.index_copy_(0, slots, v.to(v_cache.dtype))

@@ -1,11 +1,14 @@
 """Attention over the paged KV cache (CPU, and CUDA through the same code).
 
-Cache layout: kv[2, layers, blocks, block_size, kv_heads, head_dim]. A token at position p of a sequence lives in
-slot block_table[p // block_size] * block_size + p % block_size. Each call writes the new tokens' K/V into their
-slots, then attends each query over its sequence's context (cached prefix + new tokens) with a causal offset.
+Cache layout: kv[2, layers, blocks, block_size, kv_heads, head_dim] (head_dim + 4 int8 elements per row for an
+int8 cache: the codes, then the row's float32 scale; kernels.kv_rows_as reads them back). A token at position p of
+a sequence lives in slot block_table[p // block_size] * block_size + p % block_size. Each call writes the new
+tokens' K/V into their slots, then attends each query over its sequence's context (cached prefix + new tokens)
+with a causal offset.
 
 Each sequence of a step takes one route, chosen once per step by the runner (not per layer):
-- fresh: a prompt chunk with nothing cached before it attends over its own new K/V with causal SDPA (no cache read);
+- fresh: a prompt chunk with nothing cached before it attends over its own new K/V with causal SDPA (as the cache
+  holds them: rounded to the cache dtype, so every route sees the same values);
 - paged: decode and short chunks over a cached prefix (q_len <= PAGED_MAX_Q) go, all together, to
   kernels.paged_attention, which reads K/V blocks where they live through the block table: no gather, no padding,
   and per-step work that does not grow with context length;
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from warmstart.kernels import paged_attention, write_kv
+from warmstart.kernels import kv_rows_as, paged_attention, write_kv
 
 PAGED_MAX_Q = 16
 
@@ -85,6 +88,12 @@ class PagedAttentionBackend:
                                       v[s.q_start:s.q_start + s.q_len], s.q_len) for s in meta.seqs])
         kc, vc, _, _ = self._layer_views(layer)                     # [slots, Hkv, D]
         write_kv(k, v, kc, vc, meta.slot_mapping)
+        if kc.dtype != k.dtype and any(s.route == "fresh" for s in meta.seqs):
+            # A fresh prompt attends over the K/V values the cache now holds (float16- or int8-rounded), as every
+            # later read of them does: a prompt's logits do not depend on whether its prefix came from the prefix
+            # cache, an earlier chunk or this one.
+            k = kv_rows_as(kc.index_select(0, meta.slot_mapping), k.dtype)
+            v = kv_rows_as(vc.index_select(0, meta.slot_mapping), v.dtype)
         p = meta.paged
         if p is not None and p.rows is None:                        # the whole step is paged (e.g. all decode)
             return self._paged(layer, q, p)
@@ -96,7 +105,8 @@ class PagedAttentionBackend:
             if s.route == "fresh":
                 out[rows] = _attend(q[rows], k[rows], v[rows], s.q_len)
             elif s.route == "gather":
-                out[rows] = _attend(q[rows], kc[s.slots].to(q.dtype), vc[s.slots].to(q.dtype), s.q_len)
+                out[rows] = _attend(q[rows], kv_rows_as(kc[s.slots], q.dtype), kv_rows_as(vc[s.slots], q.dtype),
+                                    s.q_len)
         return out
 
     def _paged(self, layer: int, q: torch.Tensor, p: PagedRows) -> torch.Tensor:

@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from warmstart.paths import atomic_write
 
 FORMAT = "warmstart.prefix-cache.v1"
-_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int8: "I8"}
 _MAX_HEADER = 256 * 2**20          # the index of a few GiB of blocks is a few MiB; more is not a file we wrote
 
 

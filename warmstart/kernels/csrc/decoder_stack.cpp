@@ -45,9 +45,9 @@ class Stack {
   Stack(std::vector<Layer> layers, int64_t heads, int64_t kv_heads, int64_t head_dim)
       : layers_(std::move(layers)), H_(heads), Hkv_(kv_heads), D_(head_dim) {}
 
-  // x [T, hidden] (the embeddings), cos/sin [T, D]; kv [2, layers, blocks, block_size, Hkv, D]; slots int64 [T];
-  // block_tables/seq_idx/ctx_lens as for paged_attention. Returns (x, residual) after the last layer: the hidden
-  // state is their sum, as the Python decoder carries it.
+  // x [T, hidden] (the embeddings), cos/sin [T, D]; kv [2, layers, blocks, block_size, Hkv, D] (D + 4 for an int8
+  // cache); slots int64 [T]; block_tables/seq_idx/ctx_lens as for paged_attention. Returns (x, residual) after the
+  // last layer: the hidden state is their sum, as the Python decoder carries it.
   std::tuple<at::Tensor, at::Tensor> forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
                                              const at::Tensor& kv, const at::Tensor& slots,
                                              const at::Tensor& block_tables, const at::Tensor& seq_idx,
@@ -74,7 +74,8 @@ class Stack {
       ws::fused::rotary_(q, cos, sin);
       ws::fused::rotary_(k, cos, sin);
       at::Tensor kb = kv.select(0, 0).select(0, int64_t(i)), vb = kv.select(0, 1).select(0, int64_t(i));
-      ws::fused::write_kv(k, v, kb.view({-1, Hkv_, D_}), vb.view({-1, Hkv_, D_}), slots);
+      const int64_t row = kv.size(5);  // D, or D + 4 for an int8 cache (codes + scale)
+      ws::fused::write_kv(k, v, kb.view({-1, Hkv_, row}), vb.view({-1, Hkv_, row}), slots);
       at::Tensor a = ws::paged::paged_attention(q, kb, vb, block_tables, seq_idx, ctx_lens, scale);
       // MLP block
       h = ws::fused::add_rms_norm(L.o(a.reshape({T, H_ * D_})), residual, L.ln2, L.eps);

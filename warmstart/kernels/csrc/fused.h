@@ -8,8 +8,10 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "vec_math.h"
 
@@ -105,27 +107,56 @@ void write_rows(const torch::Tensor& src, torch::Tensor& cache, const int64_t* s
   }
 }
 
+// int8 rows: each (token, head) row of D values becomes D codes and its float32 scale, stored after them
+// (cache [slots, Hkv, D + 4] int8): scale = max|x| / 127, code = round-half-even(x / scale), 0 for an all-zero row.
+// kernels.write_kv's torch path computes exactly this (same float32 divisions), so both write the same bytes.
+inline void write_rows_i8(const torch::Tensor& src, torch::Tensor& cache, const int64_t* slots, int64_t T,
+                          int64_t Hkv, int64_t D) {
+  const float* sp = src.data_ptr<float>();
+  const int64_t ss = src.stride(0), row = D + int64_t(sizeof(float));
+  int8_t* cp = cache.data_ptr<int8_t>();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const float* x = sp + t * ss + h * D;
+      int8_t* dst = cp + (slots[t] * Hkv + h) * row;
+      float amax = 0.f;
+      for (int64_t i = 0; i < D; ++i) amax = std::max(amax, std::fabs(x[i]));
+      const float d = amax / 127.f;
+      for (int64_t i = 0; i < D; ++i)
+        dst[i] = d > 0.f ? static_cast<int8_t>(std::clamp(std::nearbyint(x[i] / d), -127.f, 127.f)) : int8_t(0);
+      std::memcpy(dst + D, &d, sizeof(float));
+    }
+}
+
 // k_cache[slots[t]] = k[t], v_cache[slots[t]] = v[t]; k, v [T, Hkv, D] float32 (rows of any stride, heads
-// contiguous), caches [slots, Hkv, D] contiguous in float32, bfloat16 or float16 (round to nearest even).
+// contiguous), caches [slots, Hkv, D] contiguous in float32, bfloat16 or float16 (round to nearest even), or int8
+// [slots, Hkv, D + 4] (write_rows_i8).
 void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots) {
   TORCH_CHECK(k.scalar_type() == torch::kFloat && v.scalar_type() == torch::kFloat && k.dim() == 3 && v.dim() == 3,
               "k and v must be float32 [T, Hkv, D]");
   const int64_t T = k.size(0), width = k.size(1) * k.size(2);
   TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2) &&
               v.sizes() == k.sizes(), "k and v must have contiguous heads and equal shapes");
+  const bool i8 = k_cache.scalar_type() == torch::kChar;
+  const int64_t cache_width = i8 ? k.size(1) * (k.size(2) + int64_t(sizeof(float))) : width;
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type() &&
-              k_cache.numel() % width == 0 && v_cache.numel() == k_cache.numel(), "caches must be contiguous [S, Hkv, D]");
+              k_cache.numel() % cache_width == 0 && v_cache.numel() == k_cache.numel(),
+              "caches must be contiguous [S, Hkv, D] ([S, Hkv, D + 4] for int8)");
   TORCH_CHECK(slots.is_contiguous() && slots.scalar_type() == torch::kLong && slots.numel() == T,
               "slots must be int64 [T]");
   const int64_t* sl = slots.data_ptr<int64_t>();
-  const int64_t capacity = k_cache.numel() / width;
+  const int64_t capacity = k_cache.numel() / cache_width;
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sl[t] >= 0 && sl[t] < capacity, "slot out of range");
   switch (k_cache.scalar_type()) {
     case torch::kFloat: write_rows<float>(k, k_cache, sl, T, width); write_rows<float>(v, v_cache, sl, T, width); break;
     case torch::kBFloat16:
       write_rows<at::BFloat16>(k, k_cache, sl, T, width); write_rows<at::BFloat16>(v, v_cache, sl, T, width); break;
     case torch::kHalf: write_rows<at::Half>(k, k_cache, sl, T, width); write_rows<at::Half>(v, v_cache, sl, T, width); break;
-    default: TORCH_CHECK(false, "cache dtype must be float32, bfloat16 or float16");
+    case torch::kChar:
+      write_rows_i8(k, k_cache, sl, T, k.size(1), k.size(2));
+      write_rows_i8(v, v_cache, sl, T, k.size(1), k.size(2));
+      break;
+    default: TORCH_CHECK(false, "cache dtype must be float32, bfloat16, float16 or int8");
   }
 }
 
