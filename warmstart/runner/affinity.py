@@ -19,7 +19,7 @@ from warmstart import kernels
 class StepPinning:
     def __init__(self, cpus: tuple[int, ...] | None):
         self.cpus = cpus
-        self._local = threading.local()        # per calling thread: the team size its workers were pinned for
+        self._local = threading.local()        # per calling thread: (team size, whether its workers got pinned)
 
     @contextmanager
     def __call__(self) -> Iterator[None]:
@@ -27,9 +27,12 @@ class StepPinning:
         if cpus is None or torch.get_num_threads() != len(cpus):  # not pinned, or someone changed the count since
             yield
             return
-        if getattr(self._local, "team", None) != len(cpus):
-            kernels.pin_workers(list(cpus))
-            self._local.team = len(cpus)
+        state = getattr(self._local, "state", None)
+        if state is None or state[0] != len(cpus):
+            state = self._local.state = (len(cpus), kernels.pin_workers(list(cpus)) == len(cpus) - 1)
+        if not state[1]:                      # workers not pinned (no compiled glue): pinning the caller alone
+            yield                             # could only stack it on a worker's core
+            return
         before = os.sched_getaffinity(0)
         os.sched_setaffinity(0, {cpus[0]})
         try:
