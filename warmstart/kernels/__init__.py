@@ -77,11 +77,9 @@ def has_native() -> bool:
 KV_SCALE_BYTES = 4
 
 
-def kv_row_bytes(head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes of one (token, head) row of the KV cache."""
-    if dtype is torch.int8:
-        return head_dim + KV_SCALE_BYTES
-    return head_dim * torch.empty((), dtype=dtype).element_size()
+def kv_row_width(head_dim: int, dtype: torch.dtype) -> int:
+    """Elements of one (token, head) row of the KV cache: head_dim, and an int8 row's 4 scale bytes after it."""
+    return head_dim + KV_SCALE_BYTES if dtype is torch.int8 else head_dim
 
 
 def quantize_kv_rows(x: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ import mmap
 import torch
 from torch import nn
 
-from warmstart.kernels import kv_row_bytes
+from warmstart.kernels import kv_row_width
 from warmstart.runner.attention import PAGED_MAX_Q, AttentionMeta, PagedAttentionBackend, PagedRows, SeqSlice
 from warmstart.runner.batch import Batch, BatchItem, ItemResult
 from warmstart.runner.logits_processors import LogitsProcessors
@@ -34,8 +34,8 @@ class ModelRunner:
     # -- memory ---------------------------------------------------------------------------------------------
     def kv_block_bytes(self, block_size: int) -> int:
         s = self.spec
-        row = kv_row_bytes(s.head_dim, self.kv_dtype)
-        return 2 * s.num_layers * block_size * s.num_kv_heads * row
+        return 2 * s.num_layers * block_size * s.num_kv_heads * kv_row_width(s.head_dim, self.kv_dtype) \
+            * self.kv_dtype.itemsize
 
     def allocate_kv(self, num_blocks: int, block_size: int) -> int:
         """Allocate the zeroed KV cache, returning its bytes. On CPU it is an anonymous mapping: the kernel hands
@@ -43,8 +43,7 @@ class ModelRunner:
         (torch.zeros writes every page). The ledger has reserved the bytes either way. Zeros matter: padded
         decode reads masked slots, and 0 x garbage could be NaN."""
         s = self.spec
-        shape = (2, s.num_layers, num_blocks, block_size, s.num_kv_heads,
-                 kv_row_bytes(s.head_dim, self.kv_dtype) // torch.empty((), dtype=self.kv_dtype).element_size())
+        shape = (2, s.num_layers, num_blocks, block_size, s.num_kv_heads, kv_row_width(s.head_dim, self.kv_dtype))
         if self.device.type == "cpu":
             nbytes = self.kv_block_bytes(block_size) * num_blocks
             self._kv_mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
