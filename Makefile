@@ -21,7 +21,7 @@ $(STAMP): requirements.lock pyproject.toml
 	touch $(STAMP)
 
 $(KERNEL_STAMP): $(STAMP) $(KERNEL_SRC)
-	$(PY) setup.py build_ext --inplace -q -j 2 || echo "warmstart: paged-attention kernel not built; the pure-torch fallback will be used"
+	$(PY) setup.py build_ext --inplace -q || echo "warmstart: paged-attention kernel not built; the pure-torch fallback will be used"
 	touch $(KERNEL_STAMP)
 
 serve: venv
