@@ -12,6 +12,7 @@ to warmstart/kernels/__init__.py (tests run from the tree)."""
 from __future__ import annotations
 
 import os
+import glob
 import platform
 import sys
 
@@ -60,6 +61,17 @@ else:
     class SafeBuildExtension(BuildExtension):
         """A compile failure (or no usable compiler) degrades to the pure-torch fallback instead of failing."""
 
+        def build_extension(self, ext):
+            # Each extension in its own temp dir: torch's ninja build writes build.ninja and the header-dependency log
+            # (.ninja_deps) into the temp dir, and one shared log keeps only the last-built extension's entries, so
+            # an edited header rebuilt that one and left the other objects stale.
+            base = self.build_temp
+            self.build_temp = os.path.join(base, ext.name.rsplit(".", 1)[-1])
+            try:
+                super().build_extension(ext)
+            finally:
+                self.build_temp = base
+
         def run(self):
             try:
                 super().run()
@@ -70,8 +82,12 @@ else:
             else:
                 _record_error(None)
 
-    ext_modules = [CppExtension(f"warmstart.kernels.{name}", src, extra_compile_args={"cxx": CXX_FLAGS},
-                                 extra_link_args=OPENMP)
+    # depends: setuptools rebuilds an extension only when a listed file is newer than its .so; the sources include
+    # these headers, so without them an edited header left a stale .so beside a rebuilt one (two builds of the same
+    # inline code in one process: a crash once a shared type's layout changed).
+    HEADERS = sorted(glob.glob("warmstart/kernels/csrc/*.h"))
+    ext_modules = [CppExtension(f"warmstart.kernels.{name}", src, depends=HEADERS,
+                                 extra_compile_args={"cxx": CXX_FLAGS}, extra_link_args=OPENMP)
                    for name, src in SOURCES.items()]
     cmdclass = {"build_ext": SafeBuildExtension.with_options(use_ninja=True)}
 
