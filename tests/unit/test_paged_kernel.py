@@ -212,24 +212,69 @@ def test_half_caches_odd_shapes(impl, cache_dtype, D, ratio):
     torch.testing.assert_close(out.double(), reference(*case, 0.2), **TOL[torch.float32])   # fp32 math on the rounded cache
 
 
+def int8_kernel_query(q: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]:
+    """The query as the compiled kernel's integer q.k sees it for an int8 cache whose head dim is a multiple of 16 (at
+    most 256): q * scale per (token, head) rounded to int16 codes with step max|q * scale| / 32767. Returns the
+    rounded, already-scaled query and the scale (1.0) to attend with; other head dims: q and scale unchanged."""
+    D = q.shape[-1]
+    if D % 16 or D > 256:
+        return q, scale
+    x = q.float() * scale                                        # float32 products and divisions, as the kernel
+    amax = x.abs().amax(-1, keepdim=True)
+    # a float32 division, as the kernel's (a number divided by a tensor is a reciprocal times it in torch: 1 ulp off)
+    inv = torch.where(amax > 0, torch.full_like(amax, 32767) / torch.where(amax > 0, amax, 1), 0)
+    codes = (x * inv).round().clamp(-32767, 32767)
+    return codes * (amax / 32767), 1.0
+
+
 @pytest.mark.parametrize("impl", IMPLS.values(), ids=IMPLS.keys())
-@pytest.mark.parametrize("D,ratio", [(20, 1), (64, 3), (36, 5)])
+@pytest.mark.parametrize("D,ratio", [(20, 1), (36, 5), (64, 1), (64, 2), (64, 3), (128, 4), (32, 7), (256, 3)])
 def test_int8_cache_equals_attention_over_its_dequantized_values(impl, D, ratio):
     """The int8 cache's only error is the quantization itself: attention over the int8 rows equals fp32 attention
-    over the values they decode to (codes * scale), past the kernel's split and across tile edges."""
+    over the values they decode to (codes * scale), past the kernel's split and across tile edges. The compiled
+    kernel's integer q.k (head dims that are multiples of 16) also rounds each query head to int16 codes: against a
+    reference over that rounded query it is within fp32 rounding (1e-5), and the rounding itself moves outputs by
+    under 1e-3 here (a score error of about sqrt(D) * step * |k|, step = max|q| / 32767), a hundredth of what the
+    int8 cache's own rounding does."""
     case = make_case(TILE_EDGES + [(530, 3)], H=3 * ratio, Hkv=3, D=D, bs=16, cache_dtype=torch.int8,
                      seed=D + 7 * ratio)
     assert case[1].dtype is torch.int8 and case[1].shape[-1] == D + kernels.KV_SCALE_BYTES
-    torch.testing.assert_close(impl(*case, 0.2).double(), reference(*case, 0.2), **TOL[torch.float32])
+    out = impl(*case, 0.2).double()
+    q, rest = case[0], case[1:]
+    if impl is paged_attention and kernels.has_native():
+        q_seen, scale_seen = int8_kernel_query(q, 0.2)
+        torch.testing.assert_close(out, reference(q_seen, *rest, scale_seen), **TOL[torch.float32])
+        torch.testing.assert_close(out, reference(q, *rest, 0.2), rtol=0, atol=1e-3)
+    else:
+        torch.testing.assert_close(out, reference(q, *rest, 0.2), **TOL[torch.float32])
+
+
+@native
+@pytest.mark.parametrize("D", [64, 256])
+def test_int8_integer_path_extremes(D):
+    """The integer q.k at its largest: every K code +-127 along the query's signs (q.k = 32767 * 127 * D before
+    scaling, inside int32 up to D = 256), one position far below the rest, V codes at +-127; and at a large softmax
+    scale (one dominant position, many tiny probabilities)."""
+    case = make_case([(700, 1), (33, 1), (2, 1)], H=6, Hkv=2, D=D, bs=16, seed=D)
+    q, kc, vc, bt, si, cl = case
+    sign = torch.where(q[:, ::3] >= 0, 1, -1).to(torch.int8)                 # kv head g serves queries 3g..3g+2
+    kc[..., :D] = 127 * sign[0].unsqueeze(0).unsqueeze(0)
+    kc[3, 5, :, :D] = -kc[3, 5, :, :D]                                     # one position far below the rest
+    vc[..., :D] = torch.where(torch.arange(D) % 3 == 0, 127, -127).to(torch.int8)
+    vc[bt[0, 7], 2, 1, :D] = 5
+    for scale in (1.0, 50.0):
+        q_seen, scale_seen = int8_kernel_query(q, scale)
+        torch.testing.assert_close(paged_attention(*case, scale).double(), reference(q_seen, *case[1:], scale_seen),
+                                   **TOL[torch.float32])
 
 
 def test_int8_rows_round_trip_within_half_a_step():
-    x = torch.randn(50, 3, 64) * torch.logspace(-3, 3, 50)[:, None, None]
+    x = torch.randn(50, 3, 64, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 3, 50)[:, None, None]
     x[7, 1] = 0                                              # an all-zero row: scale 0, codes 0
     rows = kernels.quantize_kv_rows(x)
     back = kernels.kv_rows_as(rows, torch.float32)
     step = x.abs().amax(-1, keepdim=True) / 127
-    assert ((back - x).abs() <= step / 2 * (1 + 1e-6)).all()
+    assert ((back - x).abs() <= step / 2 + x.abs() * 2 ** -23).all()     # + float32 rounding of codes * scale
     assert torch.equal(back[7, 1], torch.zeros(64))
     assert rows[..., :64].abs().max() == 127                 # every nonzero row uses the full code range
 

@@ -4,7 +4,8 @@
 // and dotted with all G queries (a G x tile score block), and every V row once for the G accumulators, so each K/V
 // element is read from the cache, and converted to fp32 (bf16/fp16/int8 caches, in registers), exactly once. An
 // int8 cache row carries its own float32 scale after its D codes (kScaled below). Softmax is streamed (online) over
-// the tiles; all arithmetic is fp32. The next tile's rows are prefetched while the current one
+// the tiles; all arithmetic is fp32, except an int8 cache's q.k on x86 (exact int16 x int8 integer sums, see
+// "int8 cache in integer arithmetic"). The next tile's rows are prefetched while the current one
 // is computed. Queries arrive fp32 (the Python wrapper converts the small q tensor).
 //
 // Built with -O3 -mavx2 -mfma -mf16c on x86-64 (see setup.py); the scalar paths below are what other ISAs compile.
@@ -244,18 +245,99 @@ inline float exp_sum(const float* s, float* p, int64_t n, float m) {
   return sum;
 }
 
-// One tile of n positions for GH query heads (q: GH pre-scaled rows of D; acc: GH rows of D; m, l: GH running max
-// and sum): scores for all GH heads in one pass over K, online-softmax update per head, then P.V for all GH heads in
-// one pass over V.
-template <typename T, int GH>
-inline void tile_step(const float* q, int64_t D, const T* const* krow, int64_t ko, const T* const* vrow, int64_t vo,
-                      int64_t n, const Next<T>& nx, float* s, float* p, float* acc, float* m, float* l) {
-  scores<T, GH>(q, D, krow, ko, n, s, kTile, nx);
-  if constexpr (kScaled<T>)
-    for (int64_t j = 0; j < n; ++j) {
-      const float ks = row_scale(krow[j] + ko, D);
-      for (int i = 0; i < GH; ++i) s[i * kTile + j] *= ks;
+#if WS_AVX2
+// ---- int8 cache in integer arithmetic ------------------------------------------------------------------------------
+// Widening int8 codes to fp32 takes two instructions per 8 elements before any FMA: with fp32 q.k an int8 cache ran
+// 1.6x slower than a float16 one. For an int8 cache whose head_dim is a multiple of 16 (at most 256), q.k runs in
+// int16 x int16 -> int32 instead (vpmaddwd: 16 products per instruction, K codes widened 16 at a time): each query
+// head is quantized once per task to int16 codes with its own scale, max|q| / 32767 (a step of 1.5e-5 of its largest
+// element; the cache's own step is 1/127 of a row's largest). The sums are exact and stay inside int32
+// (|q.k| <= 32767 * 127 * 256 < 2^31); each score is then (integer dot) * q scale * K row scale in fp32. P.V stays
+// fp32 (an int16 P.V measured no faster here: the multiplies then all queue on the one integer-multiply pipe).
+constexpr int64_t kI8MaxD = 256;
+inline bool int8_integer_path(int64_t D) { return D % 16 == 0 && D <= kI8MaxD; }
+
+// q: rows of D floats (pre-scaled) -> int16 codes, per-row scales (code * scale = q within scale / 2)
+inline void quantize_q16(const float* q, int64_t rows, int64_t D, int16_t* codes, float* scales) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* x = q + i * D;
+    float amax = 0.f;
+    for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
+    const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+    for (int64_t d = 0; d < D; ++d)
+      codes[i * D + d] = static_cast<int16_t>(std::clamp(std::nearbyint(x[d] * inv), -32767.f, 32767.f));
+    scales[i] = amax / 32767.f;
+  }
+}
+
+inline int32_t hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// s[i * ld + r] = (q16_i . k[r]) * qs_i * kscale_r for R rows and GH heads (exact integer dot products)
+template <int R, int GH>
+inline void score_block_i8(const int16_t* q, const float* qs, int64_t D, const int8_t* const* kp, int64_t ko,
+                           float* s, int64_t ld) {
+  const int8_t* k[R];
+  for (int r = 0; r < R; ++r) k[r] = kp[r] + ko;
+  __m256i acc[R][GH];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < GH; ++i) acc[r][i] = _mm256_setzero_si256();
+  for (int64_t c = 0; c < D; c += 16)
+    for (int r = 0; r < R; ++r) {
+      const __m256i kv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k[r] + c)));
+      for (int i = 0; i < GH; ++i)
+        acc[r][i] = _mm256_add_epi32(
+            acc[r][i], _mm256_madd_epi16(kv, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i * D + c))));
     }
+  float ks[R];
+  for (int r = 0; r < R; ++r) ks[r] = row_scale(k[r], D);
+  if constexpr (R == 4) {
+    const __m128 ksv = _mm_loadu_ps(ks);
+    for (int i = 0; i < GH; ++i) {
+      const __m256i t = _mm256_hadd_epi32(_mm256_hadd_epi32(acc[0][i], acc[1][i]),
+                                          _mm256_hadd_epi32(acc[2][i], acc[3][i]));
+      const __m128i x = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+      _mm_storeu_ps(s + i * ld, _mm_mul_ps(_mm_cvtepi32_ps(x), _mm_mul_ps(ksv, _mm_set1_ps(qs[i]))));
+    }
+  } else {
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < GH; ++i) s[i * ld + r] = static_cast<float>(hsum_epi32(acc[r][i])) * (ks[r] * qs[i]);
+  }
+}
+
+template <int GH>
+inline void scores_i8(const int16_t* q16, const float* qs, int64_t D, const int8_t* const* k, int64_t ko, int64_t n,
+                      float* s, int64_t ld, const Next<int8_t>& nx) {
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    for (int64_t r = j; r < std::min(j + 4, nx.n); ++r) prefetch_row(nx.k[r] + nx.ko, nx.bytes);
+    score_block_i8<4, GH>(q16, qs, D, k + j, ko, s + j, ld);
+  }
+  for (; j < n; ++j) score_block_i8<1, GH>(q16, qs, D, k + j, ko, s + j, ld);
+}
+#endif
+
+// Row scales of an int8 tile: out[j] = the scale of rows[j] + off, j < n
+inline void gather_scales(const int8_t* const* rows, int64_t off, int64_t D, int64_t n, float* out) {
+  for (int64_t j = 0; j < n; ++j) out[j] = row_scale(rows[j] + off, D);
+}
+
+// x[i * kTile + j] *= f[j] for i < GH, j < n
+template <int GH>
+inline void scale_cols(float* x, const float* f, int64_t n) {
+  for (int i = 0; i < GH; ++i)
+    for (int64_t j = 0; j < n; ++j) x[i * kTile + j] *= f[j];
+}
+
+// The online-softmax update of one tile for GH heads: s (GH rows of kTile scores) -> p = exp(s - new max), with the
+// running max m, sum l and accumulators acc (GH rows of D) rescaled when the max grows. Always inlined: called out of
+// line (as gcc 12 chose inside the int8 tile step) the int8 step ran 20% slower.
+template <int GH>
+__attribute__((always_inline)) inline void softmax_tile(const float* s, float* p, int64_t n, float* acc, int64_t D, float* m, float* l) {
   for (int i = 0; i < GH; ++i) {
     const float* si = s + i * kTile;
     const float mt = row_max(si, n);
@@ -268,21 +350,66 @@ inline void tile_step(const float* q, int64_t D, const T* const* krow, int64_t k
     m[i] = mnew;
     l[i] += exp_sum(si, p + i * kTile, n, mnew);
   }
-  if constexpr (kScaled<T>)
-    for (int64_t j = 0; j < n; ++j) {
-      const float vs = row_scale(vrow[j] + vo, D);
-      for (int i = 0; i < GH; ++i) p[i * kTile + j] *= vs;
-    }
+}
+
+// One tile of n positions for GH query heads (q: GH pre-scaled rows of D; acc: GH rows of D; m, l: GH running max
+// and sum): scores for all GH heads in one pass over K, online-softmax update per head, then P.V for all GH heads in
+// one pass over V. An int8 tile scales each score by its K row's scale and each P by its V row's.
+template <typename T, int GH>
+inline void tile_step(const float* q, int64_t D, const T* const* krow, int64_t ko, const T* const* vrow, int64_t vo,
+                      int64_t n, const Next<T>& nx, float* s, float* p, float* acc, float* m, float* l) {
+  [[maybe_unused]] float rs[kTile];
+  scores<T, GH>(q, D, krow, ko, n, s, kTile, nx);
+  if constexpr (kScaled<T>) {
+    gather_scales(krow, ko, D, n, rs);
+    scale_cols<GH>(s, rs, n);
+  }
+  softmax_tile<GH>(s, p, n, acc, D, m, l);
+  if constexpr (kScaled<T>) {
+    gather_scales(vrow, vo, D, n, rs);
+    scale_cols<GH>(p, rs, n);
+  }
   pv<T, GH>(acc, D, p, kTile, vrow, vo, n, nx);
 }
 
+#if WS_AVX2
+// tile_step for an int8 tile on the integer path: q16/qs are the GH heads' int16 codes and scales. Always inlined
+// (into run): out of line, gcc 12's code for it ran 20% slower.
+template <int GH>
+__attribute__((always_inline)) inline void tile_step_i8(const int16_t* q16, const float* qs, int64_t D, const int8_t* const* krow, int64_t ko,
+                         const int8_t* const* vrow, int64_t vo, int64_t n, const Next<int8_t>& nx, float* s, float* p,
+                         float* acc, float* m, float* l) {
+  float rs[kTile];
+  scores_i8<GH>(q16, qs, D, krow, ko, n, s, kTile, nx);  // already times the K row scales
+  softmax_tile<GH>(s, p, n, acc, D, m, l);
+  gather_scales(vrow, vo, D, n, rs);
+  scale_cols<GH>(p, rs, n);
+  pv<int8_t, GH>(acc, D, p, kTile, vrow, vo, n, nx);
+}
+#endif
+
+// q16/qs: the int8 integer path's query codes and scales (int8 caches with int8_integer_path(D)), else null.
 template <typename T>
-inline void tile_heads(int64_t G, const float* q, int64_t D, const T* const* krow, int64_t ko, const T* const* vrow,
-                       int64_t vo, int64_t n, Next<T> nx, float* s, float* p, float* acc, float* m, float* l) {
+inline void tile_heads(int64_t G, const float* q, const int16_t* q16, const float* qs, int64_t D, const T* const* krow,
+                       int64_t ko, const T* const* vrow, int64_t vo, int64_t n, Next<T> nx, float* s, float* p,
+                       float* acc, float* m, float* l) {
   for (int64_t i0 = 0; i0 < G; i0 += kMaxGH, nx.n = 0) {  // the first group of heads prefetches
     const int64_t gh = std::min<int64_t>(kMaxGH, G - i0);
     const float* qi = q + i0 * D;
     float* ai = acc + i0 * D;
+#if WS_AVX2
+    if constexpr (kScaled<T>)
+      if (q16) {
+        const int16_t* ci = q16 + i0 * D;
+        switch (gh) {
+          case 3: tile_step_i8<3>(ci, qs + i0, D, krow, ko, vrow, vo, n, nx, s, p, ai, m + i0, l + i0); break;
+          case 2: tile_step_i8<2>(ci, qs + i0, D, krow, ko, vrow, vo, n, nx, s, p, ai, m + i0, l + i0); break;
+          default: tile_step_i8<1>(ci, qs + i0, D, krow, ko, vrow, vo, n, nx, s, p, ai, m + i0, l + i0); break;
+        }
+        continue;
+      }
+#endif
+    (void)q16, (void)qs;
     switch (gh) {
       case 3: tile_step<T, 3>(qi, D, krow, ko, vrow, vo, n, nx, s, p, ai, m + i0, l + i0); break;
       case 2: tile_step<T, 2>(qi, D, krow, ko, vrow, vo, n, nx, s, p, ai, m + i0, l + i0); break;
@@ -292,7 +419,8 @@ inline void tile_heads(int64_t G, const float* q, int64_t D, const T* const* kro
 }
 
 struct Scratch {
-  std::vector<float> q, acc, s, p, m, l;
+  std::vector<float> q, acc, s, p, m, l, qs;
+  std::vector<int16_t> q16;
 };
 
 // Long contexts are split into chunks of kSplit positions, each its own task, merged afterwards (flash-decoding): a
@@ -328,6 +456,11 @@ void run(const float* q, float* out, const T* kc, const T* vc, const int32_t* bt
   const int64_t hpt = n_items >= 4 * int64_t(at::get_num_threads()) ? Hkv : 1;
   const int64_t n_hgroups = Hkv / hpt;
   const int64_t row_bytes = D * int64_t(sizeof(T)) + kRowExtra<T>;
+#if WS_AVX2
+  const bool int_path = kScaled<T> && int8_integer_path(D);
+#else
+  const bool int_path = false;
+#endif
 
   at::parallel_for(0, n_items * n_hgroups, 1, [&](int64_t begin, int64_t end) {
     thread_local Scratch sc;
@@ -337,6 +470,8 @@ void run(const float* q, float* out, const T* kc, const T* vc, const int32_t* bt
     sc.p.resize(kMaxGH * kTile);
     sc.m.resize(hpt * G);
     sc.l.resize(hpt * G);
+    sc.q16.resize(int_path ? hpt * G * D : 0);
+    sc.qs.resize(int_path ? hpt * G : 0);
     // head-0 row pointers of the current tile and the next one (prefetched while the current one is computed)
     const T* rows[2][2][kTile];
     for (int64_t task = begin; task < end; ++task) {
@@ -347,6 +482,9 @@ void run(const float* q, float* out, const T* kc, const T* vc, const int32_t* bt
       const int32_t* table = bt + int64_t(seq_idx[t]) * bt_stride;
       const float* qg = q + (t * H + g0 * G) * D;
       for (int64_t i = 0; i < hpt * G * D; ++i) sc.q[i] = qg[i] * scale;
+#if WS_AVX2
+      if (int_path) quantize_q16(sc.q.data(), hpt * G, D, sc.q16.data(), sc.qs.data());
+#endif
       std::fill(sc.acc.begin(), sc.acc.end(), 0.f);
       std::fill(sc.m.begin(), sc.m.end(), -std::numeric_limits<float>::infinity());
       std::fill(sc.l.begin(), sc.l.end(), 0.f);
@@ -376,7 +514,9 @@ void run(const float* q, float* out, const T* kc, const T* vc, const int32_t* bt
           const int64_t g = g0 + h;
           nx.ko = g * kc_s2;  // each head's pass prefetches its own rows of the next tile
           nx.vo = g * vc_s2;
-          tile_heads<T>(G, sc.q.data() + h * G * D, D, rows[cur][0], g * kc_s2, rows[cur][1], g * vc_s2, n, nx,
+          tile_heads<T>(G, sc.q.data() + h * G * D, int_path ? sc.q16.data() + h * G * D : nullptr,
+                        int_path ? sc.qs.data() + h * G : nullptr, D, rows[cur][0], g * kc_s2, rows[cur][1],
+                        g * vc_s2, n, nx,
                         sc.s.data(), sc.p.data(), sc.acc.data() + h * G * D, sc.m.data() + h * G,
                         sc.l.data() + h * G);
         }
