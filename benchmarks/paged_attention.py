@@ -10,11 +10,12 @@ A second table: one sequence querying a chunk of n new tokens over a cached 1,02
 verification, chunked prefill), kernel vs the runner's non-decode path (gather the context, SDPA with a causal-offset
 mask: attention.py `_attend`). It shows up to which chunk length the kernel should be used.
 
-A first table, decode scaling: the kernel alone at batch 8, context 128 vs 2,048, fp32/fp16/bf16 caches, microseconds
-per layer call and the implied rate of K/V read (GB/s: the bytes of every sequence's K and V rows over the time). Each
-sample cycles over enough distinct caches (one per "layer") that the reads come from memory, not from the last
-call's cache lines, as in a real decode step. `--baseline GITREF` also builds the kernel source at that git revision
-(under another module name) and times it interleaved in the same process: old vs new on the same noisy host.
+A first table, decode scaling: the kernel alone at batch 8, context 128 vs 2,048, fp32/fp16/bf16/int8 caches,
+microseconds per layer call and the implied rate of K/V read (GB/s: the bytes of every sequence's K and V rows over
+the time). Each sample cycles over enough distinct caches (one per "layer") that the reads come from memory, not
+from the last call's cache lines, as in a real decode step. `--baseline GITREF` also builds the kernel source at
+that git revision (under another module name) and times it interleaved in the same process: old vs new on the same
+noisy host.
 
     PYTHONPATH=. .venv/bin/python benchmarks/paged_attention.py [--samples 7] [--threads 1 2] [--out benchmarks/results/paged_attention.json]
     PYTHONPATH=. .venv/bin/python benchmarks/paged_attention.py --scaling-only --threads 1 --baseline main
@@ -45,11 +46,15 @@ def setup(B: int, ctx: int, dtype: torch.dtype, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     per_seq = -(-ctx // BS)
     nb = B * per_seq + 1
-    kc = torch.randn(nb, BS, HKV, D, generator=g).to(dtype)
-    vc = torch.randn(nb, BS, HKV, D, generator=g).to(dtype)
+    kc = torch.randn(nb, BS, HKV, D, generator=g)
+    vc = torch.randn(nb, BS, HKV, D, generator=g)
+    if dtype is torch.int8:                      # int8 rows: D codes + a float32 scale; queries stay float32
+        kc, vc = kernels.quantize_kv_rows(kc), kernels.quantize_kv_rows(vc)
+    else:
+        kc, vc = kc.to(dtype), vc.to(dtype)
     ids = torch.randperm(nb, generator=g)[:B * per_seq].to(torch.int32)
     bt = ids.view(B, per_seq).contiguous()
-    q = torch.randn(B, H, D, generator=g).to(dtype)
+    q = torch.randn(B, H, D, generator=g).to(torch.float32 if dtype is torch.int8 else dtype)
     seq_idx = torch.arange(B, dtype=torch.int32)
     ctx_lens = torch.full((B,), ctx, dtype=torch.int32)
     # today's inputs, built once per step by the runner (not per layer): padded slot matrix + mask (None at B=1)
@@ -74,14 +79,18 @@ def build_baseline(ref: str):
     """The paged kernel's source at git revision `ref`, compiled as module _paged_baseline (a second module named
     _paged would not load next to the current one)."""
     from torch.utils.cpp_extension import load
-    src = subprocess.run(["git", "-C", str(ROOT), "show", f"{ref}:warmstart/kernels/csrc/paged_attention.cpp"],
-                         check=True, capture_output=True, text=True).stdout
     d = Path(tempfile.mkdtemp(prefix="paged_baseline_"))
-    (d / "paged_attention.cpp").write_text(src)
-    flags = ["-O3", "-fno-math-errno", "-DNDEBUG", "-mavx2", "-mfma", "-mf16c"]
+    csrc = "warmstart/kernels/csrc"
+    names = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", f"{ref}:{csrc}"], check=True,
+                           capture_output=True, text=True).stdout.split()
+    for name in names:                           # the .cpp and the headers it includes, as they were at `ref`
+        src = subprocess.run(["git", "-C", str(ROOT), "show", f"{ref}:{csrc}/{name}"], check=True,
+                             capture_output=True, text=True).stdout
+        (d / name).write_text(src)
+    flags = ["-O3", "-fno-math-errno", "-DNDEBUG", "-fopenmp", "-mavx2", "-mfma", "-mf16c"]   # as setup.py
     print(f"building the kernel at {ref} as _paged_baseline ...", flush=True)
     return load(name="_paged_baseline", sources=[str(d / "paged_attention.cpp")], extra_cflags=flags,
-                build_directory=str(d), verbose=False)
+                extra_ldflags=["-fopenmp"], build_directory=str(d), verbose=False)
 
 
 def decode_scaling(args, baseline) -> list[dict]:
@@ -98,10 +107,10 @@ def decode_scaling(args, baseline) -> list[dict]:
     print(f"{'threads':>7} {'cache':>8} {'ctx':>5}{hdr}" + ("  speedup" if baseline is not None else ""))
     for threads in args.threads:
         torch.set_num_threads(threads)
-        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.int8):
             for ctx in args.scaling_ctx:
                 one = setup(B, ctx, dtype)
-                kv_bytes = 2 * B * ctx * HKV * D * one[1].element_size()        # K and V rows actually read
+                kv_bytes = 2 * B * ctx * HKV * one[1].shape[-1] * one[1].element_size()   # K and V rows read
                 n_layers = max(2, min(30, args.layer_bytes // (2 * one[1].numel() * one[1].element_size())))
                 layers = [one] + [setup(B, ctx, dtype, seed=s) for s in range(1, n_layers)]
                 q = one[0].float()
@@ -128,7 +137,7 @@ def decode_scaling(args, baseline) -> list[dict]:
                 rows.append(row)
                 print(line, flush=True)
     for threads in args.threads:
-        for dtype in ("float32", "float16", "bfloat16"):
+        for dtype in ("float32", "float16", "bfloat16", "int8"):
             t = {r["ctx"]: r["kernel_us"] for r in rows if r["threads"] == threads and r["cache_dtype"] == dtype}
             if len(t) >= 2:
                 lo, hi = min(t), max(t)
