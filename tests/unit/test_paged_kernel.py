@@ -269,7 +269,8 @@ def test_int8_integer_path_extremes(D):
 
 
 def test_int8_rows_round_trip_within_half_a_step():
-    x = torch.randn(50, 3, 64, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 3, 50)[:, None, None]
+    scales = torch.logspace(-3, 3, 50)[:, None, None]
+    x = torch.randn(50, 3, 64, generator=torch.Generator().manual_seed(0)) * scales
     x[7, 1] = 0                                              # an all-zero row: scale 0, codes 0
     rows = kernels.quantize_kv_rows(x)
     back = kernels.kv_rows_as(rows, torch.float32)

@@ -337,7 +337,8 @@ inline void scale_cols(float* x, const float* f, int64_t n) {
 // running max m, sum l and accumulators acc (GH rows of D) rescaled when the max grows. Always inlined: called out of
 // line (as gcc 12 chose inside the int8 tile step) the int8 step ran 20% slower.
 template <int GH>
-__attribute__((always_inline)) inline void softmax_tile(const float* s, float* p, int64_t n, float* acc, int64_t D, float* m, float* l) {
+__attribute__((always_inline)) inline void softmax_tile(const float* s, float* p, int64_t n, float* acc, int64_t D,
+                                                        float* m, float* l) {
   for (int i = 0; i < GH; ++i) {
     const float* si = s + i * kTile;
     const float mt = row_max(si, n);
@@ -376,9 +377,11 @@ inline void tile_step(const float* q, int64_t D, const T* const* krow, int64_t k
 // tile_step for an int8 tile on the integer path: q16/qs are the GH heads' int16 codes and scales. Always inlined
 // (into run): out of line, gcc 12's code for it ran 20% slower.
 template <int GH>
-__attribute__((always_inline)) inline void tile_step_i8(const int16_t* q16, const float* qs, int64_t D, const int8_t* const* krow, int64_t ko,
-                         const int8_t* const* vrow, int64_t vo, int64_t n, const Next<int8_t>& nx, float* s, float* p,
-                         float* acc, float* m, float* l) {
+__attribute__((always_inline)) inline void tile_step_i8(const int16_t* q16, const float* qs, int64_t D,
+                                                        const int8_t* const* krow, int64_t ko,
+                                                        const int8_t* const* vrow, int64_t vo, int64_t n,
+                                                        const Next<int8_t>& nx, float* s, float* p, float* acc,
+                                                        float* m, float* l) {
   float rs[kTile];
   scores_i8<GH>(q16, qs, D, krow, ko, n, s, kTile, nx);  // already times the K row scales
   softmax_tile<GH>(s, p, n, acc, D, m, l);
@@ -516,8 +519,7 @@ void run(const float* q, float* out, const T* kc, const T* vc, const int32_t* bt
           nx.vo = g * vc_s2;
           tile_heads<T>(G, sc.q.data() + h * G * D, int_path ? sc.q16.data() + h * G * D : nullptr,
                         int_path ? sc.qs.data() + h * G : nullptr, D, rows[cur][0], g * kc_s2, rows[cur][1],
-                        g * vc_s2, n, nx,
-                        sc.s.data(), sc.p.data(), sc.acc.data() + h * G * D, sc.m.data() + h * G,
+                        g * vc_s2, n, nx, sc.s.data(), sc.p.data(), sc.acc.data() + h * G * D, sc.m.data() + h * G,
                         sc.l.data() + h * G);
         }
         cur ^= 1;
