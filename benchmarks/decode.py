@@ -10,10 +10,12 @@ Sections: batch 1 (warmstart fp32 / bf16 / the GGUF's own quantization, llama.cp
 llama-cpp-python in a separate venv `.venv-peers`, HF transformers fp32), and where a batch-1 step's time goes
 (quantized matmuls, paged attention, the rest = glue; timed in the Python layer loop, beside the compiled decoder
 stack's step) at 40 and 2,048 tokens of context; batch 32 (warmstart vs transformers, each in its fastest dtype);
-context scaling (batch 8 at 128 vs 2,048 tokens of context, KV cache auto = fp16, fp32 and int8); under load
+context scaling (batch 8 at 128 vs 2,048 tokens of context, KV cache auto = fp16, fp32 and int8; and, for auto and
+int8, both contexts alternated in one process, so each ratio's two sides see the same host); under load
 (batch 1 and a plan-hit boot while busy loops hold every core, vs quiet; warmstart's default: passive wait, short
-spin, one pinned thread per CPU; vs not pinned, no spin, active wait); the physical limit (measured read bandwidth
-and the batch-1 bound for each weight format).
+spin, one pinned thread per CPU; vs not pinned, no spin, active wait; and the default's quiet and loaded decode
+alternated in one process); the physical limit (measured read bandwidth and the batch-1 bound for each weight
+format).
 """
 from __future__ import annotations
 
@@ -78,6 +80,33 @@ def worker_ws(a: dict) -> dict:
     return out
 
 
+def worker_ws_paired(a: dict) -> dict:
+    """Two conditions of one booted engine, alternated round by round in this process, so the host's drift (often
+    20-30 % between processes minutes apart) hits both sides of each ratio alike. kind "context": batch 8 at 128
+    vs 2,048 tokens of context (one engine sized for the longer; the prompts' prefill is cached after the first
+    round, and the rate's t1 cancels it either way). kind "load": batch 1 quiet vs with busy loops on every core."""
+    from warmstart import LLM, SamplingParams
+    from warmstart.threads import available_cpus
+    ctxs = (128, 2048) if a["kind"] == "context" else (a["ctx"],)
+    llm = LLM("default", dtype=a["dtype"], quantization=a["quantization"], kv_cache_memory=2**30,
+              max_model_len=max(ctxs) + a["n"] + 16, startup_plan="off", max_num_seqs=max(64, a["batch"]),
+              max_num_batched_tokens=max(512, max(ctxs)), kv_cache_dtype=a.get("kv_cache_dtype", "auto"))
+
+    def runner(ctx: int):
+        prompts = _prompts(a["batch"], ctx)
+        return lambda n: llm.generate_ids(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    pairs = []
+    for _ in range(a["rounds"]):
+        if a["kind"] == "context":
+            pairs.append([_rate(runner(c), a["batch"], a["n"])["tok_s"] for c in ctxs])
+        else:
+            run = runner(a["ctx"])
+            quiet = _rate(run, a["batch"], a["n"])["tok_s"]
+            with Load(available_cpus()):
+                pairs.append([quiet, _rate(run, a["batch"], a["n"])["tok_s"]])
+    return {"pairs": pairs}
+
+
 def _time_kernels() -> dict:
     """Wrap the compiled kernels the decoder calls (quantized matmuls, paged attention) with timers: what remains
     of a step is glue (norms, RoPE, cache writes, module calls, scheduling, sampling)."""
@@ -137,7 +166,8 @@ def worker_bandwidth(a: dict) -> dict:
     return {"read_gb_s": buf.numel() * 4 / best / 1e9}
 
 
-WORKERS = {"ws": worker_ws, "hf": worker_hf, "llama": worker_llama, "bandwidth": worker_bandwidth}
+WORKERS = {"ws": worker_ws, "ws_paired": worker_ws_paired, "hf": worker_hf, "llama": worker_llama,
+           "bandwidth": worker_bandwidth}
 
 
 # ------------------------------------------------------------------------------------------------ driver
@@ -269,6 +299,13 @@ def main() -> int:
                                for _ in range(rounds)])
     res["context"] = ctx
     print("context:", json.dumps(ctx), flush=True)
+    # the same ratio with both contexts in one process, alternated: [128 tok/s, 2048 tok/s] per round
+    paired_rounds = rounds if args.quick else max(4, rounds)
+    res["context_paired"] = {kvd: (spawn("ws_paired", {"kind": "context", "batch": 8, "n": min(n, 64),
+                                                       "dtype": "float32", "quantization": "auto",
+                                                       "kv_cache_dtype": kvd, "rounds": paired_rounds}) or {}
+                                   ).get("pairs") for kvd in ("auto", "int8")}
+    print("context, paired:", json.dumps(res["context_paired"]), flush=True)
 
     # under load: busy loops on every core vs quiet; the default (passive wait, short spin, one pinned thread per
     # CPU) vs not pinned, no spin, and active wait. Loaded decode is bimodal when threads are not pinned (the
@@ -289,6 +326,9 @@ def main() -> int:
                         "quiet_boot_s": qb, "loaded_boot_s": lb}
         print(f"under load, {policy}:", json.dumps(load[policy]), flush=True)
     res["under_load"] = load
+    # the default policy's quiet and loaded decode in one process, alternated: [quiet, loaded] tok/s per round
+    res["under_load_paired"] = (spawn("ws_paired", {"kind": "load", **one, "rounds": paired_rounds}) or {}).get("pairs")
+    print("under load, paired:", json.dumps(res["under_load_paired"]), flush=True)
     res["bandwidth_gb_s"] = (spawn("bandwidth", {}) or {}).get("read_gb_s")
     report(res)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -323,6 +363,11 @@ def report(res: dict) -> None:
         if c.get(128) and c.get(2048):
             print(f"\n## context scaling (batch 8, KV cache {kvd}): 128 ctx {c[128]:.1f} tok/s, 2048 ctx "
                   f"{c[2048]:.1f} tok/s, ratio {c[2048] / c[128]:.2f} (goal >= 0.7)")
+    for kvd, pairs in res.get("context_paired", {}).items():
+        if pairs:
+            ratios = [b / a for a, b in pairs]
+            print(f"\n## context scaling, paired in one process (batch 8, KV cache {kvd}): 2048/128 per round "
+                  f"{', '.join(f'{r:.2f}' for r in ratios)}; median {statistics.median(ratios):.2f} (goal >= 0.7)")
     print("\n## batch-1 step breakdown, default mode (ms per decode step; kernels timed in the Python layer loop)\n"
           "| context | step, compiled stack | step, Python loop | quantized matmuls | paged attention | "
           "glue (the rest, Python loop) | glue share |\n|---|---|---|---|---|---|---|")
@@ -339,6 +384,10 @@ def report(res: dict) -> None:
         print(f"| {p} | {_f(v['quiet_tok_s'])} | {_f(v['loaded_tok_s'])} (median) | {_f(sd, 2)}x | {samples} | "
               f"{_f(v['quiet_boot_s'], 2)} | {_f(v['loaded_boot_s'], 2)} | "
               f"{_f(v['loaded_boot_s'] / v['quiet_boot_s'], 2)}x |")
+    if res.get("under_load_paired"):
+        slow = [q / l for q, l in res["under_load_paired"]]
+        print(f"\ndefault policy, quiet and loaded alternated in one process: slowdown per round "
+              f"{', '.join(f'{x:.2f}x' for x in slow)}; median {statistics.median(slow):.2f}x (goal <= 2)")
     print(f"\nmeasured read bandwidth: {_f(bw, 1)} GB/s")
 
 
