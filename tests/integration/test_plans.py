@@ -228,6 +228,20 @@ def test_stale_ledger_is_detected_and_replaced(model, tmp_path):
 
 
 @pytest.mark.slow
+def test_compiled_step_with_an_int8_cache_matches_eager(model, tmp_path):
+    """--compile with --kv-cache-dtype int8: the compiled layer loop writes and reads the same int8 rows (D codes and
+    a float32 scale) as the eager one, so the cache is sized alike and greedy outputs agree token for token."""
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    hkv, d = cfg["num_key_value_heads"], cfg["hidden_size"] // cfg["num_attention_heads"]
+    eager = boot(tmp_path / "eager", model, n=2, memory_utilization=0.05, kv_cache_dtype="int8")
+    compiled = boot(tmp_path / "compiled", model, n=2, memory_utilization=0.05, compile=True, kv_cache_dtype="int8")
+    assert compiled["report"]["compile"]["cache_misses"] > 0            # the step really was compiled
+    for r in (eager, compiled):                                          # K and V, per layer, 16 positions a block
+        assert r["report"]["memory"]["kv_block_bytes"] == 2 * cfg["num_hidden_layers"] * 16 * hkv * (d + 4)
+    assert compiled["outputs"] == eager["outputs"]
+
+
+@pytest.mark.slow
 def test_compile_cache_survives_a_budget_change(model, tmp_path):
     t0 = time.monotonic()
     a = boot(tmp_path, model, n=2, memory_utilization=0.05, compile=True)
