@@ -53,13 +53,23 @@ def _timed(run, n: int) -> float:
     return time.perf_counter() - t0
 
 
-def worker_ws(a: dict) -> dict:
+def _ws_engine(a: dict, max_ctx: int):
+    """The default model as the workers run it, sized for prompts of up to max_ctx tokens; and run(ctx), which gives
+    a function that decodes n greedy tokens for the batch's prompts of ctx tokens."""
     from warmstart import LLM, SamplingParams
     llm = LLM("default", dtype=a["dtype"], quantization=a["quantization"], kv_cache_memory=2**30,
-              max_model_len=a["ctx"] + a["n"] + 16, startup_plan="off", max_num_seqs=max(64, a["batch"]),
-              max_num_batched_tokens=max(512, a["ctx"]), kv_cache_dtype=a.get("kv_cache_dtype", "auto"))
-    prompts = _prompts(a["batch"], a["ctx"])
-    run = lambda n: llm.generate_ids(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+              max_model_len=max_ctx + a["n"] + 16, startup_plan="off", max_num_seqs=max(64, a["batch"]),
+              max_num_batched_tokens=max(512, max_ctx), kv_cache_dtype=a.get("kv_cache_dtype", "auto"))
+
+    def run(ctx: int):
+        prompts = _prompts(a["batch"], ctx)
+        return lambda n: llm.generate_ids(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    return llm, run
+
+
+def worker_ws(a: dict) -> dict:
+    llm, runner = _ws_engine(a, a["ctx"])
+    run = runner(a["ctx"])
     spent = _time_kernels() if a.get("breakdown") else None
     out = _rate(run, a["batch"], a["n"])
     if spent is not None:
@@ -85,16 +95,9 @@ def worker_ws_paired(a: dict) -> dict:
     20-30 % between processes minutes apart) hits both sides of each ratio alike. kind "context": batch 8 at 128
     vs 2,048 tokens of context (one engine sized for the longer; the prompts' prefill is cached after the first
     round, and the rate's t1 cancels it either way). kind "load": batch 1 quiet vs with busy loops on every core."""
-    from warmstart import LLM, SamplingParams
     from warmstart.threads import available_cpus
     ctxs = (128, 2048) if a["kind"] == "context" else (a["ctx"],)
-    llm = LLM("default", dtype=a["dtype"], quantization=a["quantization"], kv_cache_memory=2**30,
-              max_model_len=max(ctxs) + a["n"] + 16, startup_plan="off", max_num_seqs=max(64, a["batch"]),
-              max_num_batched_tokens=max(512, max(ctxs)), kv_cache_dtype=a.get("kv_cache_dtype", "auto"))
-
-    def runner(ctx: int):
-        prompts = _prompts(a["batch"], ctx)
-        return lambda n: llm.generate_ids(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    _, runner = _ws_engine(a, max(ctxs))
     pairs = []
     for _ in range(a["rounds"]):
         if a["kind"] == "context":
