@@ -190,6 +190,66 @@ def test_kill_one_rank_mid_serve_stops_everything(tmp_path):
                    if line.split()[3] == "0A")                          # nothing listens on the port any more
 
 
+RANK0_FAULTS = """
+import json, os, sys, time
+from warmstart.llm import LLM
+from warmstart.sampling_params import SamplingParams
+POISON = [7, 7, 7, 7, 7, 7]
+greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+llm = LLM(sys.argv[1], tensor_parallel_size=2, threads_per_rank=1, cache_dir=sys.argv[2], max_model_len=128,
+          kv_cache_memory=4 * 2**20)
+runner, prompts, out = llm.booted.runner, json.loads(sys.argv[3]), {}
+ids = lambda outs: [o.output_token_ids for o in outs]
+out["clean"] = ids(llm.generate_ids(prompts, greedy))
+prepare = runner._prepare
+def poisoned(items):
+    if any(list(it.token_ids[:6]) == POISON for it in items):
+        raise RuntimeError("injected: rank 0 could not prepare this request")
+    return prepare(items)
+runner._prepare = poisoned
+outs = llm.generate_ids(prompts + [POISON], greedy)
+out["with_poison"], out["poison_reason"] = ids(outs[:-1]), outs[-1].finish_reason
+runner._prepare = prepare
+out["after"] = ids(llm.generate_ids(prompts, greedy))
+def broken(*args, **kwargs):
+    raise RuntimeError("injected: rank 0's forward failed")
+runner.forward = broken
+t0 = time.monotonic()
+try:
+    llm.generate_ids(prompts, greedy)
+    raised = None
+except Exception as e:
+    raised = f"{type(e).__name__}: {e}"
+out["broken"] = {"seconds": time.monotonic() - t0, "raised": raised, "failure": runner.group.failure,
+                 "pid": runner.group.procs[1].pid, "rank_exit": runner.group.procs[1].poll()}
+print(json.dumps(out))
+"""
+
+
+def test_a_step_that_fails_on_rank0_never_leaves_the_ranks_behind(tmp_path):
+    """Rank 0 failing a step must not desynchronize the ranks' collectives. Failing while preparing a request's
+    inputs (before the ranks are sent the batch) fails that request alone, as on one device, and later steps
+    give the same tokens; failing inside the forward (the ranks are then waiting at a collective) stops the
+    whole group at once with the reason, instead of hanging or pairing one step's collectives with the next's."""
+    model = write_checkpoint(tmp_path / "m", "llama")
+    try:
+        r = subprocess.run([sys.executable, "-c", RANK0_FAULTS, str(model), str(tmp_path / "c"), json.dumps(PROMPTS)],
+                           capture_output=True, text=True, timeout=240, cwd=ROOT,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)})
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"rank 0's engine hung after an injected failure: {(e.stderr or b'')[-3000:]!r}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["poison_reason"] == "error"
+    assert out["with_poison"] == out["clean"] and out["after"] == out["clean"]
+    broken = out["broken"]
+    assert broken["seconds"] < 60, broken
+    assert "rank 0's forward failed (RuntimeError: injected" in broken["failure"], broken
+    assert broken["failure"].endswith("stopping all 2 ranks"), broken
+    assert broken["raised"] == f"RankFailure: {broken['failure']}", broken
+    assert broken["rank_exit"] is not None and _wait_gone([broken["pid"]]) == []
+
+
 def test_sigterm_and_sigkill_of_rank0_leave_no_ranks(tmp_path):
     model = write_checkpoint(tmp_path / "m", "llama")
     server, pids = _serve(tmp_path, model)

@@ -105,17 +105,29 @@ class RankGroup:
         return RankFailure(self.failure or f"tensor-parallel collective failed on rank {self.rank}: {e}")
 
     # -- rank 0: processes --------------------------------------------------------------------------------------
-    def _poll(self) -> None:
-        for r, p in self.procs.items():
-            code = p.poll()
-            if code is not None and not self.closed and self.failure is None:
-                how = f"signal {-code}" if code < 0 else f"exit code {code}"
-                self.failure = (f"tensor-parallel rank {r} (pid {p.pid}) died ({how}); stopping all "
-                                f"{self.world_size} ranks")
-                log.error("%s", self.failure)
-                self.stop()
-                for cb in list(self.on_failure):
-                    cb(self.failure)
+    def _poll(self, wait: float = 0.0) -> None:
+        """Fail the group if a rank process has exited; `wait`: seconds to keep looking for one."""
+        deadline = time.monotonic() + wait
+        while True:
+            for r, p in self.procs.items():
+                code = p.poll()
+                if code is not None and not self.closed and self.failure is None:
+                    how = f"signal {-code}" if code < 0 else f"exit code {code}"
+                    self.fail(f"tensor-parallel rank {r} (pid {p.pid}) died ({how})")
+            if self.failure is not None or time.monotonic() >= deadline:
+                return
+            time.sleep(0.05)
+
+    def fail(self, reason: str) -> RankFailure:
+        """The group cannot go on: record why (the first reason wins), stop every rank, tell the callbacks (the
+        server exits on it), and return the error to raise."""
+        if self.failure is None:
+            self.failure = f"{reason}; stopping all {self.world_size} ranks"
+            log.error("%s", self.failure)
+            self.stop()
+            for cb in list(self.on_failure):
+                cb(self.failure)
+        return RankFailure(self.failure)
 
     def _monitor(self) -> None:
         while not self.closed and self.failure is None:

@@ -25,26 +25,34 @@ def shard_items(batch: Batch) -> list[ShardItem]:
 
 class DistributedRunner(ModelRunner):
     """Rank 0: the engine's runner. execute() sends the batch to every rank, then runs its own shard and samples;
-    the other ranks return nothing (their logits are never computed)."""
+    the other ranks return nothing (their logits are never computed).
+
+    Once the ranks have the batch they are committed to its forward, and its collectives must pair up step by
+    step. So rank 0 prepares the step's inputs before it sends anything: a failure there (one request's input)
+    leaves the ranks untouched, and the engine retries the items one by one as it does on one device. A failure
+    inside rank 0's forward leaves the ranks waiting at a collective rank 0 will not reach; going on would pair
+    that step's collectives with the next one's, so it stops the whole group, with the reason. Sampling runs
+    after the forward's last collective, on rank 0 alone: its failures stay per request."""
     group: RankGroup
 
+    @torch.inference_mode()
     def execute(self, batch: Batch) -> list[ItemResult]:
         if self.group.failure:
             raise RankFailure(self.group.failure)
-        if batch.items:
-            self.group.send(("batch", shard_items(batch)))
+        self._drop(batch.finished_seq_ids)
+        if not batch.items:
+            return []
+        input_ids, positions, meta = self._prepare(batch.items)
+        self.group.send(("batch", shard_items(batch)))
         try:
-            return super().execute(batch)
-        except RankFailure:
-            raise
-        except RuntimeError as e:
-            # A collective inside the forward failed (torch raises DistBackendError, a RuntimeError), or a rank
-            # died meanwhile: either way this engine cannot go on. Anything else is the ordinary error it was.
+            hidden = self.forward(input_ids, positions, self._attention(meta))
+        except Exception as e:
+            # A collective that failed (torch's DistBackendError) almost always means a rank died: give its exit
+            # a moment to show, so the reason names it. Any other failure is rank 0's own.
             import torch.distributed as dist
-            self.group._poll()
-            if self.group.failure or isinstance(e, dist.DistBackendError):
-                raise self.group._failed(e) from None
-            raise
+            self.group._poll(wait=2.0 if isinstance(e, dist.DistBackendError) else 0.0)
+            raise self.group.fail(f"rank 0's forward failed ({type(e).__name__}: {e})") from e
+        return self._postprocess(batch.items, hidden)
 
 
 class ShardRunner(ModelRunner):

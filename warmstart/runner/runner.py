@@ -56,14 +56,18 @@ class ModelRunner:
     # -- execution ------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, batch: Batch) -> list[ItemResult]:
-        for seq_id in batch.finished_seq_ids:
-            self._generators.pop(seq_id, None)
-        self.processors.drop(batch.finished_seq_ids)
+        self._drop(batch.finished_seq_ids)
         if not batch.items:
             return []
         input_ids, positions, meta = self._prepare(batch.items)
         hidden = self.forward(input_ids, positions, self._attention(meta))
         return self._postprocess(batch.items, hidden)
+
+    def _drop(self, finished_seq_ids) -> None:
+        """Forget finished requests' sampling state (generators, logits processors)."""
+        for seq_id in finished_seq_ids:
+            self._generators.pop(seq_id, None)
+        self.processors.drop(finished_seq_ids)
 
     def _attention(self, meta: AttentionMeta) -> PagedAttentionBackend:
         """The step's attention backend: one per KV tensor (it caches the per-layer cache views), given this
