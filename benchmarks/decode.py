@@ -14,8 +14,8 @@ context scaling (batch 8 at 128 vs 2,048 tokens of context, KV cache auto = fp16
 int8, both contexts alternated in one process, so each ratio's two sides see the same host); under load
 (batch 1 and a plan-hit boot while busy loops hold every core, vs quiet; warmstart's default: passive wait, short
 spin, one pinned thread per CPU; vs not pinned, no spin, active wait; and the default's quiet and loaded decode
-alternated in one process); the physical limit (measured read bandwidth and the batch-1 bound for each weight
-format).
+alternated in one process, as is llama.cpp's for reference); the physical limit (measured read bandwidth and the
+batch-1 bound for each weight format).
 """
 from __future__ import annotations
 
@@ -98,16 +98,19 @@ def worker_ws_paired(a: dict) -> dict:
     from warmstart.threads import available_cpus
     ctxs = (128, 2048) if a["kind"] == "context" else (a["ctx"],)
     _, runner = _ws_engine(a, max(ctxs))
+    if a["kind"] == "load":
+        return {"pairs": _load_pairs(runner(a["ctx"]), a, available_cpus())}
+    return {"pairs": [[_rate(runner(c), a["batch"], a["n"])["tok_s"] for c in ctxs] for _ in range(a["rounds"])]}
+
+
+def _load_pairs(run, a: dict, cpus: int) -> list[list[float]]:
+    """[quiet, loaded] tok/s per round: the same run without, then with, busy loops on `cpus` cores."""
     pairs = []
     for _ in range(a["rounds"]):
-        if a["kind"] == "context":
-            pairs.append([_rate(runner(c), a["batch"], a["n"])["tok_s"] for c in ctxs])
-        else:
-            run = runner(a["ctx"])
-            quiet = _rate(run, a["batch"], a["n"])["tok_s"]
-            with Load(available_cpus()):
-                pairs.append([quiet, _rate(run, a["batch"], a["n"])["tok_s"]])
-    return {"pairs": pairs}
+        quiet = _rate(run, a["batch"], a["n"])["tok_s"]
+        with Load(cpus):
+            pairs.append([quiet, _rate(run, a["batch"], a["n"])["tok_s"]])
+    return pairs
 
 
 def _time_kernels() -> dict:
@@ -150,7 +153,7 @@ def worker_hf(a: dict) -> dict:
     return _rate(run, a["batch"], a["n"])
 
 
-def worker_llama(a: dict) -> dict:
+def _llama_run(a: dict):
     from llama_cpp import Llama
     llm = Llama(model_path=a["gguf"], n_ctx=a["ctx"] + a["n"] + 16, n_threads=a["threads"], verbose=False,
                 n_batch=512)
@@ -159,7 +162,17 @@ def worker_llama(a: dict) -> dict:
     def run(n):
         llm.reset()
         llm.create_completion(prompt, max_tokens=n, temperature=0.0, logit_bias={llm.token_eos(): -1e9})
-    return _rate(run, 1, a["n"])
+    return run
+
+
+def worker_llama(a: dict) -> dict:
+    return _rate(_llama_run(a), 1, a["n"])
+
+
+def worker_llama_paired(a: dict) -> dict:
+    """llama.cpp's batch-1 decode quiet vs loaded, alternated as worker_ws_paired does: the peer's slowdown under
+    the same load. (The peers' venv need not import warmstart: the caller passes the core count.)"""
+    return {"pairs": _load_pairs(_llama_run(a), {**a, "batch": 1}, a["cpus"])}
 
 
 def worker_bandwidth(a: dict) -> dict:
@@ -170,12 +183,13 @@ def worker_bandwidth(a: dict) -> dict:
 
 
 WORKERS = {"ws": worker_ws, "ws_paired": worker_ws_paired, "hf": worker_hf, "llama": worker_llama,
+           "llama_paired": worker_llama_paired,
            "bandwidth": worker_bandwidth}
 
 
 # ------------------------------------------------------------------------------------------------ driver
 def spawn(kind: str, args: dict, env: dict | None = None, timeout: float = 900) -> dict | None:
-    py = str(PEERS_PY) if kind == "llama" else sys.executable
+    py = str(PEERS_PY) if kind.startswith("llama") else sys.executable
     e = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", **(env or {})}
     r = subprocess.run([py, __file__, "--worker", kind, json.dumps(args)], capture_output=True, text=True,
                        env=e, cwd=ROOT, timeout=timeout)
@@ -332,6 +346,11 @@ def main() -> int:
     # the default policy's quiet and loaded decode in one process, alternated: [quiet, loaded] tok/s per round
     res["under_load_paired"] = (spawn("ws_paired", {"kind": "load", **one, "rounds": paired_rounds}) or {}).get("pairs")
     print("under load, paired:", json.dumps(res["under_load_paired"]), flush=True)
+    if have_llama:                                          # the peer under the same load, for reference
+        res["under_load_paired_llama"] = (spawn("llama_paired", {**one, "gguf": gguf_path, "threads": threads,
+                                                                 "rounds": paired_rounds, "cpus": available_cpus()})
+                                          or {}).get("pairs")
+        print("under load, paired, llama.cpp:", json.dumps(res["under_load_paired_llama"]), flush=True)
     res["bandwidth_gb_s"] = (spawn("bandwidth", {}) or {}).get("read_gb_s")
     report(res)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -387,10 +406,13 @@ def report(res: dict) -> None:
         print(f"| {p} | {_f(v['quiet_tok_s'])} | {_f(v['loaded_tok_s'])} (median) | {_f(sd, 2)}x | {samples} | "
               f"{_f(v['quiet_boot_s'], 2)} | {_f(v['loaded_boot_s'], 2)} | "
               f"{_f(v['loaded_boot_s'] / v['quiet_boot_s'], 2)}x |")
-    if res.get("under_load_paired"):
-        slow = [q / l for q, l in res["under_load_paired"]]
-        print(f"\ndefault policy, quiet and loaded alternated in one process: slowdown per round "
-              f"{', '.join(f'{x:.2f}x' for x in slow)}; median {statistics.median(slow):.2f}x (goal <= 2)")
+    for who, key, goal in (("warmstart, default policy", "under_load_paired", " (goal <= 2)"),
+                           ("llama.cpp, same GGUF and threads (reference)", "under_load_paired_llama", "")):
+        if res.get(key):
+            slow = [q / l for q, l in res[key]]
+            print(f"\n{who}, quiet and loaded alternated in one process: loaded tok/s per round "
+                  f"{', '.join(_f(l) for _, l in res[key])}; slowdown per round "
+                  f"{', '.join(f'{x:.2f}x' for x in slow)}; median {statistics.median(slow):.2f}x{goal}")
     print(f"\nmeasured read bandwidth: {_f(bw, 1)} GB/s")
 
 
