@@ -1,7 +1,8 @@
 """Decode throughput: warmstart vs HF transformers `generate`, measured in the same run, reported as a ratio.
 
 Decode tokens/s = batch x (N - 1) / (time to generate N tokens - time to generate 1 token), so prefill cancels out.
-Usage: python benchmarks/throughput.py [--model DIR|default|tiny] [--batches 1 32] [--tokens 64] [--threads N]"""
+Usage: python benchmarks/throughput.py [--model DIR|default|tiny] [--batches 1 32] [--tokens 64] [--threads N]
+       [--quantization auto|none|int8|int4]"""
 from __future__ import annotations
 
 import argparse
@@ -35,11 +36,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    ap.add_argument("--quantization", default="auto", help="warmstart's --quantization (auto: a GGUF import's own)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    import transformers
-
+    from decode import hf_float_model
     from warmstart import LLM, SamplingParams
     if args.model == "tiny":
         from tests.checkpoints import write_checkpoint
@@ -49,11 +50,13 @@ def main() -> None:
         model_dir = default_model_dir()
     else:
         model_dir = Path(args.model)
-    llm = LLM(str(model_dir), dtype="float32", startup_plan="off", max_model_len=512,
+    llm = LLM(str(model_dir), dtype="float32", quantization=args.quantization, startup_plan="off", max_model_len=512,
               max_num_seqs=max(args.batches), max_num_batched_tokens=max(512, max(args.batches) * args.prompt_len))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = hf_float_model(model_dir, torch.float32)
     print(f"model {model_dir} | torch threads {torch.get_num_threads()} | {args.tokens} new tokens, "
-          f"prompt {args.prompt_len} tokens, greedy, float32")
+          f"prompt {args.prompt_len} tokens, greedy, float32 activations | warmstart linears: "
+          f"{llm.report.to_dict()['quantization']['linears'] or 'float32'} | transformers: float32 (quantized "
+          "linears, if any, dequantized: the same weights)")
     print(f"{'batch':>5}  {'warmstart tok/s':>16}  {'transformers tok/s':>18}  {'ratio':>6}")
     for b in args.batches:
         prompts = [[(7 * i + j) % 200 + 3 for j in range(args.prompt_len)] for i in range(b)]
