@@ -133,26 +133,9 @@ def _time_kernels() -> dict:
     return spent
 
 
-def hf_float_model(folder: Path, dtype):
-    """transformers' model of a warmstart model folder in `dtype`. A folder imported from GGUF keeps its linears
-    quantized (`.qweight` tensors), which transformers cannot read (from_pretrained would leave those layers
-    randomly initialized): they are dequantized as warmstart's `--quantization none` does, the same weights."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from safetensors.torch import load_file
-    from warmstart.weights.quantize import postprocess
-    files = sorted(Path(folder).glob("*.safetensors"))
-    tensors = {k: v for f in files for k, v in load_file(f).items()}
-    if not any(k.endswith(".qweight") for k in tensors):
-        return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.float32).eval()
-    model.load_state_dict(postprocess(tensors, torch.float32, "none"), strict=False)
-    model.tie_weights()
-    return model.to(dtype)
-
-
 def worker_hf(a: dict) -> dict:
     import torch
+    from hf_model import hf_float_model
     from warmstart.weights.gguf import default_model_dir
     model = hf_float_model(default_model_dir(), getattr(torch, a["dtype"]))
     ids = torch.tensor(_prompts(a["batch"], a["ctx"]))

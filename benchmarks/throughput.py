@@ -40,7 +40,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    from decode import hf_float_model
+    from hf_model import hf_float_model
     from warmstart import LLM, SamplingParams
     if args.model == "tiny":
         from tests.checkpoints import write_checkpoint

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from warmstart.parallel.launcher import RankFailure, RankGroup
+from warmstart.runner.attention import AttentionMeta
 from warmstart.runner.batch import Batch, ItemResult
 from warmstart.runner.runner import ModelRunner
 
@@ -25,7 +26,8 @@ def shard_items(batch: Batch) -> list[ShardItem]:
 
 class DistributedRunner(ModelRunner):
     """Rank 0: the engine's runner. execute() sends the batch to every rank, then runs its own shard and samples;
-    the other ranks return nothing (their logits are never computed).
+    the other ranks return nothing (their logits are never computed). The base's execute runs the step; rank 0
+    sends the batch between preparing the inputs and its forward (_run_forward).
 
     Once the ranks have the batch they are committed to its forward, and its collectives must pair up step by
     step. So rank 0 prepares the step's inputs before it sends anything: a failure there (one request's input)
@@ -35,24 +37,22 @@ class DistributedRunner(ModelRunner):
     after the forward's last collective, on rank 0 alone: its failures stay per request."""
     group: RankGroup
 
-    @torch.inference_mode()
     def execute(self, batch: Batch) -> list[ItemResult]:
         if self.group.failure:
             raise RankFailure(self.group.failure)
-        self._drop(batch.finished_seq_ids)
-        if not batch.items:
-            return []
-        input_ids, positions, meta = self._prepare(batch.items)
+        return super().execute(batch)
+
+    def _run_forward(self, batch: Batch, input_ids: torch.Tensor, positions: torch.Tensor,
+                     meta: AttentionMeta) -> torch.Tensor:
         self.group.send(("batch", shard_items(batch)))
         try:
-            hidden = self.forward(input_ids, positions, self._attention(meta))
+            return super()._run_forward(batch, input_ids, positions, meta)
         except Exception as e:
             # A collective that failed (torch's DistBackendError) almost always means a rank died: give its exit
             # a moment to show, so the reason names it. Any other failure is rank 0's own.
             import torch.distributed as dist
             self.group._poll(wait=2.0 if isinstance(e, dist.DistBackendError) else 0.0)
             raise self.group.fail(f"rank 0's forward failed ({type(e).__name__}: {e})") from e
-        return self._postprocess(batch.items, hidden)
 
 
 class ShardRunner(ModelRunner):

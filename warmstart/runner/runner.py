@@ -56,18 +56,19 @@ class ModelRunner:
     # -- execution ------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, batch: Batch) -> list[ItemResult]:
-        self._drop(batch.finished_seq_ids)
+        for seq_id in batch.finished_seq_ids:
+            self._generators.pop(seq_id, None)
+        self.processors.drop(batch.finished_seq_ids)
         if not batch.items:
             return []
         input_ids, positions, meta = self._prepare(batch.items)
-        hidden = self.forward(input_ids, positions, self._attention(meta))
+        hidden = self._run_forward(batch, input_ids, positions, meta)
         return self._postprocess(batch.items, hidden)
 
-    def _drop(self, finished_seq_ids) -> None:
-        """Forget finished requests' sampling state (generators, logits processors)."""
-        for seq_id in finished_seq_ids:
-            self._generators.pop(seq_id, None)
-        self.processors.drop(finished_seq_ids)
+    def _run_forward(self, batch: Batch, input_ids: torch.Tensor, positions: torch.Tensor,
+                     meta: AttentionMeta) -> torch.Tensor:
+        """The step's forward, once its inputs are prepared (a tensor-parallel rank 0 sends the batch here)."""
+        return self.forward(input_ids, positions, self._attention(meta))
 
     def _attention(self, meta: AttentionMeta) -> PagedAttentionBackend:
         """The step's attention backend: one per KV tensor (it caches the per-layer cache views), given this
