@@ -97,10 +97,12 @@ def worker_ws_paired(a: dict) -> dict:
     round, and the rate's t1 cancels it either way). kind "load": batch 1 quiet vs with busy loops on every core."""
     from warmstart.threads import available_cpus
     ctxs = (128, 2048) if a["kind"] == "context" else (a["ctx"],)
-    _, runner = _ws_engine(a, max(ctxs))
+    llm, runner = _ws_engine(a, max(ctxs))
     if a["kind"] == "load":
         return {"pairs": _load_pairs(runner(a["ctx"]), a, available_cpus())}
-    return {"pairs": [[_rate(runner(c), a["batch"], a["n"])["tok_s"] for c in ctxs] for _ in range(a["rounds"])]}
+    ledger = llm.booted.ledger                              # K and V of every layer, one token: the bytes a decode
+    return {"pairs": [[_rate(runner(c), a["batch"], a["n"])["tok_s"] for c in ctxs] for _ in range(a["rounds"])],
+            "kv_bytes_per_token": ledger.kv_block_bytes / ledger.block_size}   # step reads per context position
 
 
 def _load_pairs(run, a: dict, cpus: int) -> list[list[float]]:
@@ -312,10 +314,11 @@ def main() -> int:
     print("context:", json.dumps(ctx), flush=True)
     # the same ratio with both contexts in one process, alternated: [128 tok/s, 2048 tok/s] per round
     paired_rounds = rounds if args.quick else max(4, rounds)
-    res["context_paired"] = {kvd: (spawn("ws_paired", {"kind": "context", "batch": 8, "n": min(n, 64),
-                                                       "dtype": "float32", "quantization": "auto",
-                                                       "kv_cache_dtype": kvd, "rounds": paired_rounds}) or {}
-                                   ).get("pairs") for kvd in ("auto", "int8")}
+    res["context_paired"], res["kv_bytes_per_token"] = {}, {}
+    for kvd in ("auto", "int8"):
+        r = spawn("ws_paired", {"kind": "context", "batch": 8, "n": min(n, 64), "dtype": "float32",
+                                "quantization": "auto", "kv_cache_dtype": kvd, "rounds": paired_rounds}) or {}
+        res["context_paired"][kvd], res["kv_bytes_per_token"][kvd] = r.get("pairs"), r.get("kv_bytes_per_token")
     print("context, paired:", json.dumps(res["context_paired"]), flush=True)
 
     # under load: busy loops on every core vs quiet; the default (passive wait, short spin, one pinned thread per
@@ -384,6 +387,12 @@ def report(res: dict) -> None:
             ratios = [b / a for a, b in pairs]
             print(f"\n## context scaling, paired in one process (batch 8, KV cache {kvd}): 2048/128 per round "
                   f"{', '.join(f'{r:.2f}' for r in ratios)}; median {statistics.median(ratios):.2f} (goal >= 0.7)")
+            bound = context_bound(8, statistics.median(a for a, _ in pairs),
+                                  res.get("kv_bytes_per_token", {}).get(kvd), bw)
+            if bound:
+                print(f"   the physical limit: the 2048 step reads {bound['extra_mb']:.0f} MB more K/V than the 128 step,"
+                      f" {bound['extra_ms']:.1f} ms at {bw:.1f} GB/s with no arithmetic at all, beside a 128-ctx step "
+                      f"of {bound['step128_ms']:.1f} ms: no kernel can exceed a ratio of {bound['ratio']:.2f} here")
     print("\n## batch-1 step breakdown, default mode (ms per decode step; kernels timed in the Python layer loop)\n"
           "| context | step, compiled stack | step, Python loop | quantized matmuls | paged attention | "
           "glue (the rest, Python loop) | glue share |\n|---|---|---|---|---|---|---|")
@@ -408,6 +417,20 @@ def report(res: dict) -> None:
                   f"{', '.join(_f(l) for _, l in res[key])}; slowdown per round "
                   f"{', '.join(f'{x:.2f}x' for x in slow)}; median {statistics.median(slow):.2f}x{goal}")
     print(f"\nmeasured read bandwidth: {_f(bw, 1)} GB/s")
+
+
+def context_bound(batch: int, tok_s_128: float, kv_bytes_per_token: float | None, bw_gb_s: float | None,
+                  short: int = 128, long: int = 2048) -> dict | None:
+    """The best 2048/128 decode ratio the memory allows: every decode step reads each sequence's whole context of
+    K/V once, so the long step reads batch x (long - short) x kv_bytes_per_token more, at best at the measured read
+    bandwidth, on top of the short step's time (everything else in the step is the same work)."""
+    if not (tok_s_128 and kv_bytes_per_token and bw_gb_s):
+        return None
+    step128 = batch / tok_s_128
+    extra = batch * (long - short) * kv_bytes_per_token
+    extra_s = extra / (bw_gb_s * 1e9)
+    return {"step128_ms": step128 * 1e3, "extra_mb": extra / 1e6, "extra_ms": extra_s * 1e3,
+            "ratio": step128 / (step128 + extra_s)}
 
 
 def _f(x, nd: int = 1) -> str:
