@@ -59,7 +59,8 @@ def _ws_engine(a: dict, max_ctx: int):
     from warmstart import LLM, SamplingParams
     llm = LLM("default", dtype=a["dtype"], quantization=a["quantization"], kv_cache_memory=2**30,
               max_model_len=max_ctx + a["n"] + 16, startup_plan="off", max_num_seqs=max(64, a["batch"]),
-              max_num_batched_tokens=max(512, max_ctx), kv_cache_dtype=a.get("kv_cache_dtype", "auto"))
+              max_num_batched_tokens=max(512, max_ctx), kv_cache_dtype=a.get("kv_cache_dtype", "auto"),
+              threads=a.get("threads"))
 
     def run(ctx: int):
         prompts = _prompts(a["batch"], ctx)
@@ -348,6 +349,9 @@ def main() -> int:
                                                                  "rounds": paired_rounds, "cpus": available_cpus()})
                                           or {}).get("pairs")
         print("under load, paired, llama.cpp:", json.dumps(res["under_load_paired_llama"]), flush=True)
+    # the proportional reference: loaded, the engine has about one core's worth of CPU time; one quiet thread is what
+    # one core's worth does at full efficiency
+    res["quiet_one_thread_tok_s"] = (spawn("ws", {**one, "threads": 1}) or {}).get("tok_s")
     res["bandwidth_gb_s"] = (spawn("bandwidth", {}) or {}).get("read_gb_s")
     report(res)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -416,6 +420,13 @@ def report(res: dict) -> None:
             print(f"\n{who}, quiet and loaded alternated in one process: loaded tok/s per round "
                   f"{', '.join(_f(l) for _, l in res[key])}; slowdown per round "
                   f"{', '.join(f'{x:.2f}x' for x in slow)}; median {statistics.median(slow):.2f}x{goal}")
+            one = res.get("quiet_one_thread_tok_s")
+            if key == "under_load_paired" and one:
+                quiet = statistics.median(q for q, _ in res[key])
+                print(f"   the proportional reference: with every core shared with a busy loop the engine has one core's "
+                      f"worth of CPU; one quiet thread decodes {one:.1f} tok/s, so an engine that used that share as "
+                      f"well as one quiet thread would slow down {quiet / one:.2f}x (its quiet {quiet:.1f} tok/s on "
+                      f"{res['threads']} threads / {one:.1f})")
     print(f"\nmeasured read bandwidth: {_f(bw, 1)} GB/s")
 
 
