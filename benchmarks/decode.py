@@ -14,8 +14,9 @@ context scaling (batch 8 at 128 vs 2,048 tokens of context, KV cache auto = fp16
 int8, both contexts alternated in one process, so each ratio's two sides see the same host); under load
 (batch 1 and a plan-hit boot while busy loops hold every core, vs quiet; warmstart's default: passive wait, short
 spin, one pinned thread per CPU; vs not pinned, no spin, active wait; and the default's quiet and loaded decode
-alternated in one process, as is llama.cpp's for reference); the physical limit (measured read bandwidth and the
-batch-1 bound for each weight format).
+alternated in one process, as is llama.cpp's for reference, beside one quiet thread's rate: the proportional
+reference for one core's worth of CPU); the physical limits (measured read bandwidth, the batch-1 bound for each
+weight format, and the best 2048/128 ratio the extra K/V reads allow for each cache dtype).
 """
 from __future__ import annotations
 
@@ -394,9 +395,10 @@ def report(res: dict) -> None:
             bound = context_bound(8, statistics.median(a for a, _ in pairs),
                                   res.get("kv_bytes_per_token", {}).get(kvd), bw)
             if bound:
-                print(f"   the physical limit: the 2048 step reads {bound['extra_mb']:.0f} MB more K/V than the 128 step,"
-                      f" {bound['extra_ms']:.1f} ms at {bw:.1f} GB/s with no arithmetic at all, beside a 128-ctx step "
-                      f"of {bound['step128_ms']:.1f} ms: no kernel can exceed a ratio of {bound['ratio']:.2f} here")
+                print(f"   the physical limit: the 2048 step reads {bound['extra_mb']:.0f} MB more K/V than the 128 "
+                      f"step, {bound['extra_ms']:.1f} ms at the measured {bw:.1f} GB/s with no arithmetic at all, "
+                      f"beside a 128-ctx step of {bound['step128_ms']:.1f} ms: the memory allows a ratio of at most "
+                      f"{bound['ratio']:.2f} here")
     print("\n## batch-1 step breakdown, default mode (ms per decode step; kernels timed in the Python layer loop)\n"
           "| context | step, compiled stack | step, Python loop | quantized matmuls | paged attention | "
           "glue (the rest, Python loop) | glue share |\n|---|---|---|---|---|---|---|")
@@ -423,10 +425,10 @@ def report(res: dict) -> None:
             one = res.get("quiet_one_thread_tok_s")
             if key == "under_load_paired" and one:
                 quiet = statistics.median(q for q, _ in res[key])
-                print(f"   the proportional reference: with every core shared with a busy loop the engine has one core's "
-                      f"worth of CPU; one quiet thread decodes {one:.1f} tok/s, so an engine that used that share as "
-                      f"well as one quiet thread would slow down {quiet / one:.2f}x (its quiet {quiet:.1f} tok/s on "
-                      f"{res['threads']} threads / {one:.1f})")
+                print(f"   the proportional reference: with every core shared with a busy loop the engine has one "
+                      f"core's worth of CPU; one quiet thread decodes {one:.1f} tok/s, so an engine that used that "
+                      f"share as well as one quiet thread would slow down {quiet / one:.2f}x (its quiet {quiet:.1f} "
+                      f"tok/s on {res['threads']} threads / {one:.1f})")
     print(f"\nmeasured read bandwidth: {_f(bw, 1)} GB/s")
 
 
