@@ -143,9 +143,11 @@ def config_from_args(args: argparse.Namespace, model: str | None = None) -> Engi
 def cmd_generate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from warmstart.llm import LLM
-    from warmstart.sampling_params import SamplingParams
-    from warmstart.startup.steps import StepTimer
+    from warmstart.interrupts import exit_at_once_on_signals
+    with exit_at_once_on_signals():                  # torch imports here (see interrupts.py)
+        from warmstart.llm import LLM
+        from warmstart.sampling_params import SamplingParams
+        from warmstart.startup.steps import StepTimer
     timer = StepTimer.from_process_start()
     # Validate the request before paying for a boot.
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed_request,

@@ -147,11 +147,13 @@ class _Launch:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
+    from warmstart.interrupts import exit_at_once_on_signals
+    with exit_at_once_on_signals():                  # the web stack and torch import here (see interrupts.py)
+        import uvicorn
 
-    from warmstart.cli import config_from_args
-    from warmstart.server.api import ServerState, create_app
-    from warmstart.startup.steps import StepTimer
+        from warmstart.cli import config_from_args
+        from warmstart.server.api import ServerState, create_app
+        from warmstart.startup.steps import StepTimer
 
     # Until uvicorn installs its own handlers, SIGTERM means "stop now, cleanly": exit 0, as it does later.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)

@@ -14,7 +14,9 @@ from warmstart.errors import UserError
 def cmd_serve(args: argparse.Namespace) -> int:
     if args.tensor_parallel_size > 1:
         return _serve_ranks(args)
-    import torch
+    from warmstart.interrupts import exit_at_once_on_signals
+    with exit_at_once_on_signals():                  # see interrupts.py
+        import torch
 
     # The CLI is a composition root: it resolves the model and dtype with the boot's own functions, so that a
     # daemon started with the same flags as an engine computes the same cache key.
