@@ -23,6 +23,8 @@ def _exit_now(signum: int, frame) -> None:
 def exit_at_once_on_signals():
     """SIGINT/SIGTERM inside the block exit the process immediately (130 / 0); the previous handlers come back
     after it."""
+    # Also when the process was started with them ignored (a background job of a non-interactive shell inherits
+    # SIGINT ignored): uvicorn's handlers stop the server on SIGINT later either way, so it does so from the start.
     previous = {sig: signal.signal(sig, _exit_now) for sig in EXIT_CODES}
     try:
         yield

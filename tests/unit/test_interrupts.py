@@ -28,7 +28,10 @@ def test_a_signal_inside_the_block_exits_at_once(sig, code):
 
 
 def test_the_previous_handlers_come_back_after_the_block():
-    r, _ = _run("with exit_at_once_on_signals():\n"
+    # Set the "previous" handler explicitly: a process started in the background by a non-interactive shell (as CI
+    # runs) inherits SIGINT ignored, and Python then leaves it ignored instead of installing KeyboardInterrupt.
+    r, _ = _run("signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+                "with exit_at_once_on_signals():\n"
                 "    pass\n"
                 "try:\n"
                 "    os.kill(os.getpid(), signal.SIGINT)\n"
@@ -36,3 +39,12 @@ def test_the_previous_handlers_come_back_after_the_block():
                 "except KeyboardInterrupt:\n"
                 "    print('KeyboardInterrupt, as before')\n")
     assert r.returncode == 0 and r.stdout.strip() == "KeyboardInterrupt, as before", (r.returncode, r.stderr)
+
+
+
+def test_a_signal_the_process_inherited_ignored_still_exits_inside_the_block():
+    r, _ = _run("signal.signal(signal.SIGINT, signal.SIG_IGN)\n"           # a background job of a script
+                "with exit_at_once_on_signals():\n"
+                "    os.kill(os.getpid(), signal.SIGINT)\n"
+                "    time.sleep(30)\n")
+    assert r.returncode == 130, (r.returncode, r.stderr)
