@@ -12,8 +12,9 @@ llama-cpp-python in a separate venv `.venv-peers`, HF transformers fp32), and wh
 stack's step) at 40 and 2,048 tokens of context; batch 32 (warmstart vs transformers, each in its fastest dtype);
 context scaling (batch 8 at 128 vs 2,048 tokens of context, KV cache auto = fp16, fp32 and int8; and, for auto and
 int8, both contexts alternated in one process, so each ratio's two sides see the same host); under load
-(batch 1 and a plan-hit boot while busy loops hold every core, vs quiet; warmstart's default: passive wait, short
-spin, one pinned thread per CPU; vs not pinned, no spin, active wait; and the default's quiet and loaded decode
+(batch 1 and a plan-hit boot while busy loops hold every core, vs quiet; warmstart's default: the kernels' own
+pool, OpenMP passive without spin, one pinned thread per CPU; vs not pinned, the OpenMP team spinning 100,000 (the
+old default), active wait; and the default's quiet and loaded decode
 alternated in one process, as is llama.cpp's for reference, beside one quiet thread's rate: the proportional
 reference for one core's worth of CPU); the physical limits (measured read bandwidth, the batch-1 bound for each
 weight format, and the best 2048/128 ratio the extra K/V reads allow for each cache dtype).
@@ -324,13 +325,16 @@ def main() -> int:
         res["context_paired"][kvd], res["kv_bytes_per_token"][kvd] = r.get("pairs"), r.get("kv_bytes_per_token")
     print("context, paired:", json.dumps(res["context_paired"]), flush=True)
 
-    # under load: busy loops on every core vs quiet; the default (passive wait, short spin, one pinned thread per
-    # CPU) vs not pinned, no spin, and active wait. Loaded decode is bimodal when threads are not pinned (the
-    # scheduler may stack both on one core), so it is sampled `rounds` times: the median, and the worst sample.
+    # under load: busy loops on every core vs quiet; the default (the kernels' pool, OpenMP passive without spin,
+    # one pinned thread per CPU) vs not pinned, the OpenMP team spinning 100,000, and active wait. Loaded decode is
+    # bimodal when threads are not pinned (the scheduler may stack both on one core), so it is sampled `rounds`
+    # times: the median, and the worst sample.
     load = {}
     boot_seconds()                                          # prime: import the model and write the plan once
-    policies = {"default (PASSIVE, spin 100000, pinned)": {}, "not pinned": {"WARMSTART_PIN_THREADS": "0"},
-                "PASSIVE, no spin": {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0"},
+    policies = {"default (kernel pool, OpenMP PASSIVE no spin, pinned)": {},
+                "not pinned": {"WARMSTART_PIN_THREADS": "0"},
+                "OpenMP team, spin 100000 (the old default)": {"WARMSTART_THREAD_POOL": "0",
+                                                               "GOMP_SPINCOUNT": "100000"},
                 "ACTIVE": {"OMP_WAIT_POLICY": "ACTIVE"}}
     one = {"batch": 1, "ctx": 40, "n": min(n, 64), "dtype": "float32", "quantization": "auto"}
     for policy, env in policies.items():

@@ -64,8 +64,11 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
                                                          "compiler cache under --cache-dir")
     g.add_argument("--threads", type=int, default=None,
                    help="CPU threads for the model (default: the cores this process may use, from its affinity "
-                        "mask and cgroup quota). Idle threads spin briefly, then sleep (OMP_WAIT_POLICY=PASSIVE, "
-                        "GOMP_SPINCOUNT=100000) unless the environment sets those. When the threads match the CPUs one to one, "
+                        "mask and cgroup quota). The compiled kernels run their loops on their own pool, whose workers "
+                        "spin briefly, then sleep, and whose loops never wait for a thread that lost its core "
+                        "(WARMSTART_THREAD_POOL=0: torch's OpenMP team instead); idle OpenMP threads sleep at once "
+                        "(OMP_WAIT_POLICY=PASSIVE, GOMP_SPINCOUNT=0) unless the environment sets those. When the "
+                        "threads match the CPUs one to one, "
                         "each thread is pinned to its own CPU while a step runs (WARMSTART_PIN_THREADS=0 turns that "
                         "off; OMP_PROC_BIND/OMP_PLACES in the environment win); the startup report shows it")
     g = p.add_argument_group("tensor parallel")

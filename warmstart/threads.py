@@ -11,13 +11,19 @@ repeats it): a 2-thread 576x1536 fp32 linear took 7-25 ms with active waiting vs
 plan-hit boot 17.2 s vs 4.3 s; on a quiet host the two policies are equal (1.64 vs 1.66 s). Passive costs nothing
 when quiet and saves 3-4x when not. A user's own OMP_WAIT_POLICY in the environment wins.
 
-Why a short spin before sleeping (GOMP_SPINCOUNT, which libgomp honours under PASSIVE too): a decode step runs a
-few hundred small parallel regions back to back, microseconds apart, and a fully passive worker pays a futex
-wake-up for each. Measured on the 2-core host, 2 threads, the default model (benchmarks/decode.py workers,
-interleaved, 2 rounds): batch 32 decoded at 98-104 tok/s passive, 125-146 with 10,000 spins and 111-197 with
-100,000 (libgomp's rough scale: 100,000 spins per ms); batch 1 was unchanged (53-58 tok/s); under busy loops on
-every core batch 1 ran at 34 (passive), 34 (10,000), 31 (100,000) and 23 tok/s (ACTIVE). So warmstart spins up to
-DEFAULT_SPIN_COUNT, then sleeps. A user's own GOMP_SPINCOUNT wins.
+Why OpenMP workers no longer spin (GOMP_SPINCOUNT=0, which libgomp honours under PASSIVE too): warmstart's own
+kernels (paged attention, quantized linears, the fused glue and the decoder stack: nearly all of a decode step in
+the default quantized mode) run their parallel loops on their own pool (kernels/csrc/pool.h), whose workers spin
+briefly (WARMSTART_POOL_SPIN_US, 200 us) and whose loops do not wait for a worker that never got the CPU. What is
+left on torch's OpenMP team is a few regions per step (the embedding, sampling) and torch's float matmuls. An
+OpenMP worker spinning after those shares its CPU with the pool's worker there (both are pinned to it) and slows
+the step it spins into. Measured on the 2-core host, the default model, both loop back-ends alternated round by
+round in one process (4 rounds, medians): with OpenMP spinning 100,000 (the old default, about 1 ms) the pool was
+no faster than OpenMP (batch 1 73 vs 79 tok/s, batch 32 241 vs 272, under busy loops 33 vs 31); with no spin the
+pool ran batch 1 at 89 tok/s, batch 32 at 309 and 43 under load (OpenMP without spin: 84, 267 and 30). The float32
+model (torch's matmuls on OpenMP; separate processes, 2 rounds) was within noise of the old setting: batch 1
+10.1-10.8 tok/s with no spin vs 10.4-11.2 spinning 100,000, batch 32 117-129 vs 108-114. A user's own
+GOMP_SPINCOUNT wins.
 
 No torch import here: this module runs before torch exists in the process."""
 from __future__ import annotations
@@ -32,7 +38,7 @@ from pathlib import Path
 log = logging.getLogger("warmstart")
 
 DEFAULT_WAIT_POLICY = "PASSIVE"
-DEFAULT_SPIN_COUNT = 100_000      # about 1 ms of spinning before a worker sleeps (see above)
+DEFAULT_SPIN_COUNT = 0            # OpenMP workers sleep at once; the kernels' pool spins (see above)
 
 
 @dataclass(frozen=True)
@@ -45,11 +51,13 @@ class ThreadSettings:
     spin_count: str | None = None  # GOMP_SPINCOUNT in force when torch's OpenMP runtime loaded (None: libgomp's)
     pin_cpus: tuple[int, ...] | None = None   # team thread t runs on pin_cpus[t] during a step; None: not pinned
     pinning: str = ""             # why pin_cpus is what it is
+    kernel_pool: bool = True      # the compiled kernels' loops run on their own pool (WARMSTART_THREAD_POOL=0: off)
 
     def to_dict(self) -> dict:
         return {"threads": self.threads, "available_cpus": self.available_cpus, "wait_policy": self.wait_policy,
                 "policy_source": self.policy_source, "spin_count": self.spin_count,
-                "pin_cpus": list(self.pin_cpus) if self.pin_cpus else None, "pinning": self.pinning}
+                "pin_cpus": list(self.pin_cpus) if self.pin_cpus else None, "pinning": self.pinning,
+                "kernel_pool": self.kernel_pool}
 
 
 def available_cpus() -> int:
@@ -108,7 +116,8 @@ def configure(threads: int | None = None) -> ThreadSettings:
         if torch.get_num_threads() != n:
             torch.set_num_threads(n)
     pin, why = _pin_cpus(n, avail)
-    _settings = ThreadSettings(n, avail, policy, source, os.environ.get("GOMP_SPINCOUNT"), pin, why)
+    pool = _env_flag("WARMSTART_THREAD_POOL")
+    _settings = ThreadSettings(n, avail, policy, source, os.environ.get("GOMP_SPINCOUNT"), pin, why, pool)
     return _settings
 
 
@@ -132,6 +141,14 @@ def _pin_cpus(n: int, avail: int) -> tuple[tuple[int, ...] | None, str]:
     if len(cpus) != n or avail != n:
         return None, f"off ({n} threads for {avail} CPUs: the scheduler places them)"
     return cpus, "one thread per CPU"
+
+
+def _env_flag(name: str) -> bool:
+    """An on-by-default integer switch, parsed as csrc/pool.h parses it: off only when it reads as the integer 0."""
+    try:
+        return int(os.environ.get(name, "").strip()) != 0
+    except ValueError:
+        return True
 
 
 def _set_defaults() -> None:

@@ -30,7 +30,8 @@ def test_default_threads_follow_the_affinity_mask_and_wait_passively():
     settings, torch_threads, env_policy = json.loads(run_py(PROBE, affinity={0}))
     assert settings["available_cpus"] == 1 and settings["threads"] == 1 and torch_threads == 1
     assert settings["wait_policy"] == "PASSIVE" == env_policy and settings["policy_source"] == "warmstart default"
-    assert settings["spin_count"] == "100000"          # spin briefly between a step's regions, then sleep
+    assert settings["spin_count"] == "0"               # OpenMP workers sleep at once: the kernels' pool spins
+    assert settings["kernel_pool"] is True
 
 
 def test_the_users_environment_wins():

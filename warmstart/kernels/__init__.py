@@ -241,9 +241,36 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def _pool_module():
+    """Any loaded compiled module: they share one thread pool (csrc/pool.h), so one of them answers for all."""
+    return next((m for m in (_native, _qlinear, _fused, _stack) if m is not None and hasattr(m, "pool_stats")), None)
+
+
+def pool_stats() -> dict | None:
+    """The kernels' thread pool so far (csrc/pool.h): loops it ran, chunks the calling thread ran, chunks its
+    workers ran, and seconds the caller waited for a worker's chunk. None without compiled kernels."""
+    m = _pool_module()
+    if m is None:
+        return None
+    loops, caller, workers, wait_ns = m.pool_stats()
+    return {"loops": loops, "caller_chunks": caller, "worker_chunks": workers, "caller_wait_s": wait_ns / 1e9}
+
+
+def set_pool_enabled(on: bool) -> None:
+    """Run the kernels' parallel loops on their own pool (the default) or on torch's OpenMP team from the next loop
+    on (what WARMSTART_THREAD_POOL=0 chooses at start): for tests and A/B measurements."""
+    m = _pool_module()
+    if m is not None:
+        m.set_pool_enabled(bool(on))
+
+
 def pin_workers(cpus: list[int]) -> int:
-    """Pin team thread t >= 1 of the calling thread's OpenMP pool to cpus[t] (csrc/affinity.h); the caller pins
-    itself. Returns how many workers were pinned: 0 without the compiled glue (nothing pinned, nothing breaks)."""
+    """Pin team thread t >= 1 of the calling thread's OpenMP pool to cpus[t] (csrc/affinity.h), and worker t of each
+    compiled module's own pool (csrc/pool.h) to the same CPU from its next loop on; the caller pins itself. Returns
+    how many OpenMP workers were pinned: 0 without the compiled glue (nothing pinned, nothing breaks)."""
+    pool = _pool_module()
+    if pool is not None:
+        pool.set_pool_cpus(list(cpus))
     return _fused.pin_workers(list(cpus)) if _fused is not None else 0
 
 

@@ -12,5 +12,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("silu_mul", &ws::fused::silu_mul, py::arg("x"), py::call_guard<py::gil_scoped_release>());
   m.def("pin_workers", &ws::affinity::pin_workers, py::arg("cpus"));
+  m.def("set_pool_cpus", &ws::pool::set_cpus, py::arg("cpus"));
+  m.def("pool_stats", &ws::pool::stats);
+  m.def("set_pool_enabled", &ws::pool::set_enabled, py::arg("on"));
   m.attr("openmp") = ws::kOpenMP;
 }

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "pool.h"
 #include "vec_math.h"
 
 namespace ws::fused {
@@ -44,7 +45,7 @@ torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residua
   float* op = out.data_ptr<float>();
   const int64_t xs = x.stride(0);
   const float feps = static_cast<float>(eps);
-  at::parallel_for(0, T, kRowGrain, [&](int64_t begin, int64_t end) {
+  ws::pool::parallel_for(0, T, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* xr = xp + t * xs;
       float* o = op + t * D;
@@ -76,7 +77,7 @@ void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   const float* c = cos.data_ptr<float>();
   const float* s = sin.data_ptr<float>();
   const int64_t xs = x.stride(0);
-  at::parallel_for(0, T, kRowGrain, [&](int64_t begin, int64_t end) {
+  ws::pool::parallel_for(0, T, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* ct = c + t * D;
       const float* st = s + t * D;
@@ -169,7 +170,7 @@ torch::Tensor silu_mul(torch::Tensor x) {
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t xs = x.stride(0);
-  at::parallel_for(0, T, kRowGrain, [&](int64_t begin, int64_t end) {
+  ws::pool::parallel_for(0, T, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* g = xp + t * xs;
       const float* u = g + I;

@@ -28,6 +28,7 @@
 #define WS_AVX2 0
 #endif
 
+#include "pool.h"
 #include "vec_math.h"
 
 namespace ws::paged {
@@ -465,7 +466,7 @@ void run(const float* q, float* out, const T* kc, const T* vc, const int32_t* bt
   const bool int_path = false;
 #endif
 
-  at::parallel_for(0, n_items * n_hgroups, 1, [&](int64_t begin, int64_t end) {
+  ws::pool::parallel_for(0, n_items * n_hgroups, 1, [&](int64_t begin, int64_t end) {
     thread_local Scratch sc;
     sc.q.resize(hpt * G * D);
     sc.acc.resize(hpt * G * D);
@@ -547,7 +548,7 @@ void run(const float* q, float* out, const T* kc, const T* vc, const int32_t* bt
   });
   if (!split) return;
   // merge the chunks of each (t, g): rescale to the common max, sum, normalize
-  at::parallel_for(0, T_ * Hkv, 1, [&](int64_t begin, int64_t end) {
+  ws::pool::parallel_for(0, T_ * Hkv, 1, [&](int64_t begin, int64_t end) {
     for (int64_t tg = begin; tg < end; ++tg) {
       const int64_t t = tg / Hkv, g = tg % Hkv;
       float* og = out + (t * H + g * G) * D;

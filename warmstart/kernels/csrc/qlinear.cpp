@@ -7,5 +7,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("panel_min_rows") = 0,
         py::call_guard<py::gil_scoped_release>());
   m.attr("simd") = WS_AVX2 ? "avx2+fma" : "scalar";
+  m.def("set_pool_cpus", &ws::pool::set_cpus, py::arg("cpus"));
+  m.def("pool_stats", &ws::pool::stats);
+  m.def("set_pool_enabled", &ws::pool::set_enabled, py::arg("on"));
   m.attr("openmp") = ws::kOpenMP;
 }

@@ -23,6 +23,7 @@
 #define WS_AVX2 0
 #endif
 
+#include "pool.h"
 #include "vec_math.h"
 
 namespace ws::qlinear {
@@ -34,7 +35,7 @@ constexpr int64_t G = 32;
 // weights' nibble order (low nibbles = even elements, high = odd).
 void quantize_rows(const float* x, int64_t M, int64_t K, bool deinterleave, int8_t* qx, float* dx, float* sx) {
   const int64_t nb = K / G;
-  at::parallel_for(0, M * nb, 64, [&](int64_t begin, int64_t end) {
+  ws::pool::parallel_for(0, M * nb, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const float* src = x + (i / nb) * K + (i % nb) * G;
       float amax = 0.f;
@@ -258,7 +259,7 @@ torch::Tensor dense_qlinear(const torch::Tensor& xf, bool int4, const uint8_t* w
   auto y = torch::empty({M, N}, xf.options());
   for (int64_t n0 = 0; n0 < N; n0 += rows) {
     const int64_t n1 = std::min(N, n0 + rows);
-    at::parallel_for(n0, n1, 64, [&](int64_t begin, int64_t end) {
+    ws::pool::parallel_for(n0, n1, 64, [&](int64_t begin, int64_t end) {
       dequantize_rows(int4, w4, w8, sc, mn, begin, end, K, dst - n0 * K);
     });
     auto w = torch::from_blob(dst, {n1 - n0, K}, xf.options());
@@ -307,7 +308,7 @@ torch::Tensor panel_qlinear(const torch::Tensor& xf, bool int4, const uint8_t* w
   auto y = torch::empty({M, N}, xf.options());
   const float* x = xf.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, (N + kPanel - 1) / kPanel, 1, [&](int64_t pb, int64_t pe) {
+  ws::pool::parallel_for(0, (N + kPanel - 1) / kPanel, 1, [&](int64_t pb, int64_t pe) {
     thread_local std::vector<float> buf;
     if (static_cast<int64_t>(buf.size()) < kPanel * K) buf.resize(kPanel * K);
     for (int64_t p = pb; p < pe; ++p) {
@@ -364,7 +365,7 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scal
   const float* mn = int4 ? mins->data_ptr<float>() : nullptr;
   const uint8_t* w4 = int4 ? qweight.data_ptr<uint8_t>() : nullptr;
   const int8_t* w8 = int4 ? nullptr : qweight.data_ptr<int8_t>();
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+  ws::pool::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     int64_t n = begin;
 #if WS_AVX2
     if (int4 && M == 1)
