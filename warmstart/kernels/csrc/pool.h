@@ -3,20 +3,20 @@
 // Why not at::parallel_for (OpenMP): an OpenMP region hands every team thread a fixed share and ends at a barrier
 // that every team thread must reach. On a host where another process keeps the cores busy, a worker that lost its
 // core holds up the region until the scheduler gives it a slice back, even if the caller could have done its share,
-// and a decode step runs about 180 such regions. Here the range is cut into chunks (a few per thread) that threads
-// claim one at a time from a shared counter. The caller claims chunks too, and the loop ends when every chunk is
+// and a decode step runs about 180 such regions. Here the range is cut into chunks (large ones first, single grains
+// at the end) that threads claim one at a time from a shared counter. The caller claims chunks too, and the loop ends when every chunk is
 // done: a worker that is asleep, descheduled or late simply claims nothing, and the others do its part. Only a chunk
 // a worker has claimed and then lost its core in the middle of is waited for.
 //
-// Results never depend on the thread count or on who ran a chunk: chunk boundaries are fixed multiples of the grain
-// from `begin` (a function of the range and the team size only), and the kernels' bodies compute each index on its
-// own. Workers spin a short while after a chunk (WARMSTART_POOL_SPIN_US, default 200 us: a decode step's regions
+// Results never depend on the thread count or on who ran a chunk: chunk boundaries are multiples of the grain from
+// `begin` (a function of the range, the grain and the team size only), and the kernels' bodies compute each index
+// on its own. Workers spin a short while after a chunk (WARMSTART_POOL_SPIN_US, default 200 us: a decode step's regions
 // come microseconds apart), then sleep on a futex; the caller wakes them only when one sleeps. A call made from
 // inside a chunk, or while another thread is using the pool, runs on the calling thread / through at::parallel_for.
 // WARMSTART_THREAD_POOL=0 sends every loop to at::parallel_for (the OpenMP team), as before this pool existed.
 //
-// Each extension module has its own pool (the statics below are per shared object); ws::pool::set_cpus pins worker t
-// to cpus[t] as warmstart/runner/affinity.py pins the OpenMP team (affinity.h).
+// One pool serves the whole process (see the namespace below); ws::pool::set_cpus pins worker t to cpus[t] as
+// warmstart/runner/affinity.py pins the OpenMP team (affinity.h).
 #pragma once
 #include <ATen/Parallel.h>
 
@@ -52,10 +52,13 @@
 // be built from the same pool.h; the inline namespace names the layout (bump it when the class changes) so that a
 // module built from another version (a benchmark's baseline build) gets a pool of its own instead.
 namespace ws::pool {
-inline namespace v1 {
+inline namespace v2 {
 
-constexpr int64_t kChunksPerThread = 4;  // claimable pieces per team thread: a late or preempted thread's share
-                                         // is picked up by the others a quarter at a time
+// Chunk sizes are guided: chunk i takes 1/(kGuide * threads) of what is left (whole grains, at least one), so a loop
+// starts with large pieces and ends with single grains. A thread that joins late, or is slow, leaves less behind,
+// and the caller's wait at the end for the last piece another thread is running is short.
+constexpr int64_t kGuide = 2;
+constexpr int64_t kMaxChunks = 1024;
 
 #if WS_POOL
 inline void futex_wait(std::atomic<uint32_t>* a, uint32_t expected) {
@@ -85,18 +88,25 @@ class Pool {
   bool enabled() const { return enabled_.load(std::memory_order_relaxed); }
   void set_enabled(bool on) { enabled_.store(on, std::memory_order_relaxed); }
 
-  // Runs body(ctx, b, e) over [begin, end) in chunks of `chunk` indices (the last one shorter) on up to `threads`
-  // threads, this one included. Returns false, having run nothing, when the pool is busy with another caller.
-  bool run(int64_t begin, int64_t end, int64_t chunk, int64_t threads, Body body, const void* ctx) {
+  // Runs body(ctx, b, e) over [begin, end) cut at multiples of `grain` from begin into guided chunks (above) on up
+  // to `threads` threads, this one included. Returns false, having run nothing, when the pool is busy with another
+  // caller.
+  bool run(int64_t begin, int64_t end, int64_t grain, int64_t threads, Body body, const void* ctx) {
     std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
     if (!lock.owns_lock()) return false;
-    const int64_t n = (end - begin + chunk - 1) / chunk;
+    bounds_.clear();
+    for (int64_t b = begin; b < end;) {
+      bounds_.push_back(b);
+      const int64_t left = (end - b + grain - 1) / grain;  // grains left
+      const int64_t share = kGuide * threads;
+      const int64_t take = int64_t(bounds_.size()) == kMaxChunks ? left : (left + share - 1) / share;
+      b = std::min(end, b + std::max<int64_t>(1, take) * grain);
+    }
+    bounds_.push_back(end);
+    const int64_t n = int64_t(bounds_.size()) - 1;
     spawn(threads - 1);
     body_ = body;
     ctx_ = ctx;
-    begin_ = begin;
-    end_ = end;
-    chunk_ = chunk;
     error_ = nullptr;
     done_.store(0, std::memory_order_relaxed);
     allowed_.store(threads - 1, std::memory_order_relaxed);
@@ -151,7 +161,7 @@ class Pool {
       const uint64_t n = (s >> 16) & 0xffff, next = s & 0xffff;
       if (next >= n) return ran;
       if (!state_.compare_exchange_weak(s, s + 1, std::memory_order_acq_rel, std::memory_order_acquire)) continue;
-      const int64_t b = begin_ + int64_t(next) * chunk_, e = std::min(end_, b + chunk_);
+      const int64_t b = bounds_[next], e = bounds_[next + 1];
       in_chunk() = true;
       try {
         body_(ctx_, b, e);
@@ -241,7 +251,7 @@ class Pool {
   int64_t workers_ = 0;  // started so far (under mu_)
   Body body_ = nullptr;
   const void* ctx_ = nullptr;
-  int64_t begin_ = 0, end_ = 0, chunk_ = 1;
+  std::vector<int64_t> bounds_;  // chunk i is [bounds_[i], bounds_[i + 1])
   std::exception_ptr error_;
   std::vector<int64_t> cpus_;
   std::atomic<int64_t> stats_[4] = {};  // see stats(); added to by the caller under mu_
@@ -267,11 +277,8 @@ inline void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) 
     f(begin, end);
     return;
   }
-  const int64_t grains = (range + grain - 1) / grain;
-  const int64_t pieces = std::min<int64_t>({grains, threads * kChunksPerThread, 0xffff});
-  const int64_t chunk = (grains + pieces - 1) / pieces * grain;
   const auto body = [](const void* ctx, int64_t b, int64_t e) { (*static_cast<const F*>(ctx))(b, e); };
-  if (!pool.run(begin, end, chunk, std::min(threads, (range + chunk - 1) / chunk), body, &f))
+  if (!pool.run(begin, end, grain, std::min(threads, (range + grain - 1) / grain), body, &f))
     at::parallel_for(begin, end, grain, f);  // another thread is using the pool
 #else
   at::parallel_for(begin, end, grain, f);
@@ -303,5 +310,5 @@ inline void set_cpus(const std::vector<int64_t>& cpus) {
 #endif
 }
 
-}  // namespace v1
+}  // namespace v2
 }  // namespace ws::pool
