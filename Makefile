@@ -8,6 +8,7 @@ STAMP := $(VENV)/.installed
 # build is not fatal: warmstart.kernels falls back to pure torch and logs why.
 KERNEL_SRC := setup.py $(wildcard warmstart/kernels/csrc/*.cpp warmstart/kernels/csrc/*.h)
 KERNEL_STAMP := $(VENV)/.kernels
+KERNELS := _paged _qlinear _fused _stack
 
 .PHONY: venv serve test bench bench-decode
 venv: $(STAMP) $(KERNEL_STAMP)
@@ -23,7 +24,10 @@ $(STAMP): requirements.lock pyproject.toml
 	touch $(STAMP)
 
 $(KERNEL_STAMP): $(STAMP) $(KERNEL_SRC)
-	$(PY) setup.py build_ext --inplace -q || echo "warmstart: paged-attention kernel not built; the pure-torch fallback will be used"
+	# one build per module, side by side (setup.py: WARMSTART_KERNELS); a failed one leaves its pure-torch fallback
+	for k in $(KERNELS); do \
+		(WARMSTART_KERNELS=$$k $(PY) setup.py build_ext --inplace -q || echo "warmstart: kernel $$k not built; the pure-torch fallback will be used") & \
+	done; wait
 	touch $(KERNEL_STAMP)
 
 serve: venv

@@ -53,10 +53,12 @@ def _load_native(name: str = "_paged"):
         native = importlib.import_module(f"{__name__}.{name}")
     except ImportError as e:
         reason = f"extension not built ({e})"
-        err = os.path.join(os.path.dirname(__file__), "_build_error.txt")
-        if os.path.exists(err):
-            with open(err) as f:
-                reason += f"; last build: {f.read().strip()}"
+        for err in (f"_build_error_{name}.txt", "_build_error.txt"):   # this module's own build, or all four's
+            err = os.path.join(os.path.dirname(__file__), err)
+            if os.path.exists(err):
+                with open(err) as f:
+                    reason += f"; last build: {f.read().strip()}"
+                break
         return None, reason
     return native, None
 
