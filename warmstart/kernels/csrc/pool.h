@@ -4,9 +4,9 @@
 // that every team thread must reach. On a host where another process keeps the cores busy, a worker that lost its
 // core holds up the region until the scheduler gives it a slice back, even if the caller could have done its share,
 // and a decode step runs about 180 such regions. Here the range is cut into chunks (large ones first, single grains
-// at the end) that threads claim one at a time from a shared counter. The caller claims chunks too, and the loop ends when every chunk is
-// done: a worker that is asleep, descheduled or late simply claims nothing, and the others do its part. Only a chunk
-// a worker has claimed and then lost its core in the middle of is waited for.
+// at the end) that threads claim one at a time from a shared counter. The caller claims chunks too, and the loop
+// ends when every chunk is done: a worker that is asleep, descheduled or late simply claims nothing, and the others
+// do its part. Only a chunk a worker has claimed and then lost its core in the middle of is waited for.
 //
 // Results never depend on the thread count or on who ran a chunk: chunk boundaries are multiples of the grain from
 // `begin` (a function of the range, the grain and the team size only), and the kernels' bodies compute each index
