@@ -1,6 +1,10 @@
 """Decode speed on CPU against peers, every ratio measured in one run (issue 8). Prints tables, writes JSON.
 
     python benchmarks/decode.py [--new-tokens 128] [--rounds 2] [--threads N] [--out benchmarks/results/decode.json]
+                                [--only batch1 breakdown batch32 context load]
+
+The whole run takes about 50 minutes on a 2-core host; `--only` runs some sections (the tables of the others are
+left out).
 
 Every figure is a fresh process (the worker mode of this file), and systems run interleaved, round by round, so a
 noisy neighbour hits all of them alike; ratios are per round, then the median. decode tok/s = B*(N-1)/(tN - t1),
@@ -230,6 +234,9 @@ def med(xs):
     return statistics.median(xs) if xs else None
 
 
+SECTIONS = ("batch1", "breakdown", "batch32", "context", "load")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -239,6 +246,8 @@ def main() -> int:
                     help="threads for every system (default: the cores this process may use); 1 thread is the fair "
                          "setting on a host other jobs keep busy")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "decode.json"))
+    ap.add_argument("--only", nargs="+", choices=SECTIONS, metavar="SECTION",
+                    help=f"run only these sections ({', '.join(SECTIONS)}); the bandwidth is always measured")
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -259,105 +268,114 @@ def main() -> int:
         print("llama.cpp: skipped (.venv-peers has no llama_cpp; build it with "
               "`python3 -m venv .venv-peers && .venv-peers/bin/pip install llama-cpp-python==0.3.36`)")
     res: dict = {"threads": threads, "new_tokens": n, "rounds": rounds}
-
-    # batch 1 (prompt of 40 tokens, as a chat turn)
-    b1 = {"ws fp32": ("ws", {"dtype": "float32", "quantization": "none"}),
-          "ws bf16": ("ws", {"dtype": "bfloat16", "quantization": "none"}),
-          "ws gguf-native (int4+int8)": ("ws", {"dtype": "float32", "quantization": "auto"}),
-          "hf fp32": ("hf", {"dtype": "float32"})}
-    if have_llama:
-        b1["llama.cpp Q4_1"] = ("llama", {"gguf": gguf_path, "threads": threads})
-    rows: dict[str, list] = {k: [] for k in b1}
-    for _ in range(rounds):
-        for name, (kind, extra) in b1.items():
-            rows[name].append(spawn(kind, {"batch": 1, "ctx": 40, "n": n, **extra}))
-    res["batch1"] = {k: {"tok_s": med([r and r["tok_s"] for r in v]),
-                         "weight_bytes": next((r.get("weight_bytes") for r in v if r), None)} for k, v in rows.items()}
-    print("batch 1:", json.dumps(res["batch1"]), flush=True)
-    # where a batch-1 step of the default mode goes (the issue's "lean step"), and that it does not grow with context
-    # The kernels are timed through their Python wrappers, so the breakdown runs the Python layer loop
-    # (WARMSTART_NO_NATIVE_STACK); the compiled stack's step, same context, is measured beside it.
-    res["step_breakdown"] = {}
-    for c in (40, 2048):
-        one = {"batch": 1, "ctx": c, "n": min(n, 64), "dtype": "float32", "quantization": "auto"}
-        b = (spawn("ws", {**one, "breakdown": True}, {"WARMSTART_NO_NATIVE_STACK": "1"}) or {}).get(
-            "breakdown_ms_per_step")
-        stack = spawn("ws", one)
-        if b and stack:
-            b["step_stack"] = 1e3 / stack["tok_s"]
-        res["step_breakdown"][c] = b
-    print("step breakdown:", json.dumps(res["step_breakdown"]), flush=True)
-
-    # batch 32: each in its fastest dtype (both are tried)
-    b32 = {"ws fp32": ("ws", {"dtype": "float32", "quantization": "none"}),
-           "ws bf16": ("ws", {"dtype": "bfloat16", "quantization": "none"}),
-           "ws gguf-native": ("ws", {"dtype": "float32", "quantization": "auto"}),
-           "hf fp32": ("hf", {"dtype": "float32"})}
-    if native_bf16:
-        b32["hf bf16"] = ("hf", {"dtype": "bfloat16"})
-    else:
-        print("transformers bf16: skipped, this CPU has no avx512_bf16/amx (bf16 is emulated: its slowest dtype)")
-    rows = {k: [] for k in b32}
-    for _ in range(rounds):
-        for name, (kind, extra) in b32.items():
-            rows[name].append(spawn(kind, {"batch": 32, "ctx": 40, "n": n, **extra}))
-    res["batch32"] = {k: med([r and r["tok_s"] for r in v]) for k, v in rows.items()}
-    print("batch 32:", json.dumps(res["batch32"]), flush=True)
-
-    # context scaling: batch 8 at 128 vs 2048 tokens of context, the default (native) mode, with the KV cache as the
-    # default chooses (float16 for a float32 model on CPU), in float32 (exact) and in int8 (codes + a scale per token
-    # and head: about half of float16's bytes)
-    ctx: dict = {}
-    for kvd in ("auto", "float32", "int8"):
-        ctx[kvd] = {}
-        for c in (128, 2048):
-            ctx[kvd][c] = med([(spawn("ws", {"batch": 8, "ctx": c, "n": min(n, 64), "dtype": "float32",
-                                             "quantization": "auto", "kv_cache_dtype": kvd}) or {}).get("tok_s")
-                               for _ in range(rounds)])
-    res["context"] = ctx
-    print("context:", json.dumps(ctx), flush=True)
-    # the same ratio with both contexts in one process, alternated: [128 tok/s, 2048 tok/s] per round
+    want = lambda section: not args.only or section in args.only  # noqa: E731
     paired_rounds = rounds if args.quick else max(4, rounds)
-    res["context_paired"], res["kv_bytes_per_token"] = {}, {}
-    for kvd in ("auto", "int8"):
-        r = spawn("ws_paired", {"kind": "context", "batch": 8, "n": min(n, 64), "dtype": "float32",
-                                "quantization": "auto", "kv_cache_dtype": kvd, "rounds": paired_rounds}) or {}
-        res["context_paired"][kvd], res["kv_bytes_per_token"][kvd] = r.get("pairs"), r.get("kv_bytes_per_token")
-    print("context, paired:", json.dumps(res["context_paired"]), flush=True)
 
-    # under load: busy loops on every core vs quiet; the default (the kernels' pool, OpenMP passive without spin,
-    # one pinned thread per CPU) vs not pinned, the OpenMP team spinning 100,000, and active wait. Loaded decode is
-    # bimodal when threads are not pinned (the scheduler may stack both on one core), so it is sampled `rounds`
-    # times: the median, and the worst sample.
-    load = {}
-    boot_seconds()                                          # prime: import the model and write the plan once
-    policies = {"default (kernel pool, OpenMP PASSIVE no spin, pinned)": {},
-                "not pinned": {"WARMSTART_PIN_THREADS": "0"},
-                "OpenMP team, spin 100000 (the old default)": {"WARMSTART_THREAD_POOL": "0",
-                                                               "GOMP_SPINCOUNT": "100000"},
-                "ACTIVE": {"OMP_WAIT_POLICY": "ACTIVE"}}
-    one = {"batch": 1, "ctx": 40, "n": min(n, 64), "dtype": "float32", "quantization": "auto"}
-    for policy, env in policies.items():
-        q = spawn("ws", one, env)
-        qb = boot_seconds(env)
-        with Load(available_cpus()):
-            ls = [(spawn("ws", one, env) or {}).get("tok_s") for _ in range(rounds)]
-            lb = boot_seconds(env)
-        load[policy] = {"quiet_tok_s": q and q["tok_s"], "loaded_tok_s": med(ls), "loaded_samples": ls,
-                        "quiet_boot_s": qb, "loaded_boot_s": lb}
-        print(f"under load, {policy}:", json.dumps(load[policy]), flush=True)
-    res["under_load"] = load
-    # the default policy's quiet and loaded decode in one process, alternated: [quiet, loaded] tok/s per round
-    res["under_load_paired"] = (spawn("ws_paired", {"kind": "load", **one, "rounds": paired_rounds}) or {}).get("pairs")
-    print("under load, paired:", json.dumps(res["under_load_paired"]), flush=True)
-    if have_llama:                                          # the peer under the same load, for reference
-        res["under_load_paired_llama"] = (spawn("llama_paired", {**one, "gguf": gguf_path, "threads": threads,
-                                                                 "rounds": paired_rounds, "cpus": available_cpus()})
-                                          or {}).get("pairs")
-        print("under load, paired, llama.cpp:", json.dumps(res["under_load_paired_llama"]), flush=True)
-    # the proportional reference: loaded, the engine has about one core's worth of CPU time; one quiet thread is what
-    # one core's worth does at full efficiency
-    res["quiet_one_thread_tok_s"] = (spawn("ws", {**one, "threads": 1}) or {}).get("tok_s")
+    if want("batch1"):
+        # batch 1 (prompt of 40 tokens, as a chat turn)
+        b1 = {"ws fp32": ("ws", {"dtype": "float32", "quantization": "none"}),
+              "ws bf16": ("ws", {"dtype": "bfloat16", "quantization": "none"}),
+              "ws gguf-native (int4+int8)": ("ws", {"dtype": "float32", "quantization": "auto"}),
+              "hf fp32": ("hf", {"dtype": "float32"})}
+        if have_llama:
+            b1["llama.cpp Q4_1"] = ("llama", {"gguf": gguf_path, "threads": threads})
+        rows: dict[str, list] = {k: [] for k in b1}
+        for _ in range(rounds):
+            for name, (kind, extra) in b1.items():
+                rows[name].append(spawn(kind, {"batch": 1, "ctx": 40, "n": n, **extra}))
+        res["batch1"] = {k: {"tok_s": med([r and r["tok_s"] for r in v]),
+                             "weight_bytes": next((r.get("weight_bytes") for r in v if r), None)}
+                         for k, v in rows.items()}
+        print("batch 1:", json.dumps(res["batch1"]), flush=True)
+    if want("breakdown"):
+        # where a batch-1 step of the default mode goes (the issue's "lean step"), and that it does not grow with
+        # context.
+        # The kernels are timed through their Python wrappers, so the breakdown runs the Python layer loop
+        # (WARMSTART_NO_NATIVE_STACK); the compiled stack's step, same context, is measured beside it.
+        res["step_breakdown"] = {}
+        for c in (40, 2048):
+            one = {"batch": 1, "ctx": c, "n": min(n, 64), "dtype": "float32", "quantization": "auto"}
+            b = (spawn("ws", {**one, "breakdown": True}, {"WARMSTART_NO_NATIVE_STACK": "1"}) or {}).get(
+                "breakdown_ms_per_step")
+            stack = spawn("ws", one)
+            if b and stack:
+                b["step_stack"] = 1e3 / stack["tok_s"]
+            res["step_breakdown"][c] = b
+        print("step breakdown:", json.dumps(res["step_breakdown"]), flush=True)
+
+    if want("batch32"):
+        # batch 32: each in its fastest dtype (both are tried)
+        b32 = {"ws fp32": ("ws", {"dtype": "float32", "quantization": "none"}),
+               "ws bf16": ("ws", {"dtype": "bfloat16", "quantization": "none"}),
+               "ws gguf-native": ("ws", {"dtype": "float32", "quantization": "auto"}),
+               "hf fp32": ("hf", {"dtype": "float32"})}
+        if native_bf16:
+            b32["hf bf16"] = ("hf", {"dtype": "bfloat16"})
+        else:
+            print("transformers bf16: skipped, this CPU has no avx512_bf16/amx (bf16 is emulated: its slowest dtype)")
+        rows = {k: [] for k in b32}
+        for _ in range(rounds):
+            for name, (kind, extra) in b32.items():
+                rows[name].append(spawn(kind, {"batch": 32, "ctx": 40, "n": n, **extra}))
+        res["batch32"] = {k: med([r and r["tok_s"] for r in v]) for k, v in rows.items()}
+        print("batch 32:", json.dumps(res["batch32"]), flush=True)
+
+    if want("context"):
+        # context scaling: batch 8 at 128 vs 2048 tokens of context, the default (native) mode, with the KV cache as the
+        # default chooses (float16 for a float32 model on CPU), in float32 (exact) and in int8 (codes + a scale per
+        # token and head: about half of float16's bytes)
+        ctx: dict = {}
+        for kvd in ("auto", "float32", "int8"):
+            ctx[kvd] = {}
+            for c in (128, 2048):
+                ctx[kvd][c] = med([(spawn("ws", {"batch": 8, "ctx": c, "n": min(n, 64), "dtype": "float32",
+                                                 "quantization": "auto", "kv_cache_dtype": kvd}) or {}).get("tok_s")
+                                   for _ in range(rounds)])
+        res["context"] = ctx
+        print("context:", json.dumps(ctx), flush=True)
+        # the same ratio with both contexts in one process, alternated: [128 tok/s, 2048 tok/s] per round
+        res["context_paired"], res["kv_bytes_per_token"] = {}, {}
+        for kvd in ("auto", "int8"):
+            r = spawn("ws_paired", {"kind": "context", "batch": 8, "n": min(n, 64), "dtype": "float32",
+                                    "quantization": "auto", "kv_cache_dtype": kvd, "rounds": paired_rounds}) or {}
+            res["context_paired"][kvd], res["kv_bytes_per_token"][kvd] = r.get("pairs"), r.get("kv_bytes_per_token")
+        print("context, paired:", json.dumps(res["context_paired"]), flush=True)
+
+    if want("load"):
+        # under load: busy loops on every core vs quiet; the default (the kernels' pool, OpenMP passive without spin,
+        # one pinned thread per CPU) vs not pinned, the OpenMP team spinning 100,000, and active wait. Loaded decode is
+        # bimodal when threads are not pinned (the scheduler may stack both on one core), so it is sampled `rounds`
+        # times: the median, and the worst sample.
+        load = {}
+        boot_seconds()                                          # prime: import the model and write the plan once
+        policies = {"default (kernel pool, OpenMP PASSIVE no spin, pinned)": {},
+                    "not pinned": {"WARMSTART_PIN_THREADS": "0"},
+                    "OpenMP team, spin 100000 (the old default)": {"WARMSTART_THREAD_POOL": "0",
+                                                                   "GOMP_SPINCOUNT": "100000"},
+                    "ACTIVE": {"OMP_WAIT_POLICY": "ACTIVE"}}
+        one = {"batch": 1, "ctx": 40, "n": min(n, 64), "dtype": "float32", "quantization": "auto"}
+        for policy, env in policies.items():
+            q = spawn("ws", one, env)
+            qb = boot_seconds(env)
+            with Load(available_cpus()):
+                ls = [(spawn("ws", one, env) or {}).get("tok_s") for _ in range(rounds)]
+                lb = boot_seconds(env)
+            load[policy] = {"quiet_tok_s": q and q["tok_s"], "loaded_tok_s": med(ls), "loaded_samples": ls,
+                            "quiet_boot_s": qb, "loaded_boot_s": lb}
+            print(f"under load, {policy}:", json.dumps(load[policy]), flush=True)
+        res["under_load"] = load
+        # the default policy's quiet and loaded decode in one process, alternated: [quiet, loaded] tok/s per round
+        res["under_load_paired"] = (spawn("ws_paired", {"kind": "load", **one, "rounds": paired_rounds})
+                                    or {}).get("pairs")
+        print("under load, paired:", json.dumps(res["under_load_paired"]), flush=True)
+        if have_llama:                                          # the peer under the same load, for reference
+            res["under_load_paired_llama"] = (spawn("llama_paired", {**one, "gguf": gguf_path, "threads": threads,
+                                                                     "rounds": paired_rounds, "cpus": available_cpus()})
+                                              or {}).get("pairs")
+            print("under load, paired, llama.cpp:", json.dumps(res["under_load_paired_llama"]), flush=True)
+        # the proportional reference: loaded, the engine has about one core's worth of CPU time; one quiet thread is
+        # what one core's worth does at full efficiency
+        res["quiet_one_thread_tok_s"] = (spawn("ws", {**one, "threads": 1}) or {}).get("tok_s")
     res["bandwidth_gb_s"] = (spawn("bandwidth", {}) or {}).get("read_gb_s")
     from decode_report import report
     report(res)

@@ -22,8 +22,10 @@ round in one process (4 rounds, medians): with OpenMP spinning 100,000 (the old 
 no faster than OpenMP (batch 1 73 vs 79 tok/s, batch 32 241 vs 272, under busy loops 33 vs 31); with no spin the
 pool ran batch 1 at 89 tok/s, batch 32 at 309 and 43 under load (OpenMP without spin: 84, 267 and 30). The float32
 model (torch's matmuls on OpenMP; separate processes, 2 rounds) was within noise of the old setting: batch 1
-10.1-10.8 tok/s with no spin vs 10.4-11.2 spinning 100,000, batch 32 117-129 vs 108-114. A user's own
-GOMP_SPINCOUNT wins.
+10.1-10.8 tok/s with no spin vs 10.4-11.2 spinning 100,000, batch 32 117-129 vs 108-114. Against the old default
+as a whole (the OpenMP team spinning 100,000), separate processes interleaved, 4 each: batch 1 under busy loops
+slowed down 2.13x (median of 12 quiet/loaded pairs) vs 2.38x, loaded 34.6 vs 30.7 tok/s, quiet 75.4 vs 74.9, and
+batch 32 290-334 tok/s (median 307) vs 279-375 (332), within this host's spread. A user's own GOMP_SPINCOUNT wins.
 
 No torch import here: this module runs before torch exists in the process."""
 from __future__ import annotations

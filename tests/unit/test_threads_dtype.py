@@ -40,8 +40,9 @@ def test_the_users_environment_wins():
     assert settings["wait_policy"] == "ACTIVE" and settings["policy_source"] == "environment"
     assert settings["spin_count"] is None             # the user's policy: libgomp's own spin for it
     assert settings["threads"] == torch_threads == 1
-    settings, _, _ = json.loads(run_py(PROBE, env={"GOMP_SPINCOUNT": "0"}))
-    assert settings["wait_policy"] == "PASSIVE" and settings["spin_count"] == "0"
+    settings, _, _ = json.loads(run_py(PROBE, env={"GOMP_SPINCOUNT": "100000", "WARMSTART_THREAD_POOL": "0"}))
+    assert settings["wait_policy"] == "PASSIVE" and settings["spin_count"] == "100000"
+    assert settings["kernel_pool"] is False           # the kernels' loops back on the OpenMP team
 
 
 def test_importing_the_offline_api_sets_the_policy_before_torch():

@@ -267,9 +267,9 @@ def set_pool_enabled(on: bool) -> None:
 
 
 def pin_workers(cpus: list[int]) -> int:
-    """Pin team thread t >= 1 of the calling thread's OpenMP pool to cpus[t] (csrc/affinity.h), and worker t of each
-    compiled module's own pool (csrc/pool.h) to the same CPU from its next loop on; the caller pins itself. Returns
-    how many OpenMP workers were pinned: 0 without the compiled glue (nothing pinned, nothing breaks)."""
+    """Pin team thread t >= 1 of the calling thread's OpenMP pool to cpus[t] (csrc/affinity.h), and worker t of the
+    kernels' own pool (csrc/pool.h) to the same CPU from its next loop on; the caller pins itself. Returns how many
+    OpenMP workers were pinned: 0 without the compiled glue (nothing pinned, nothing breaks)."""
     pool = _pool_module()
     if pool is not None:
         pool.set_pool_cpus(list(cpus))
