@@ -159,8 +159,11 @@ def worker_hf(a: dict) -> dict:
 
 def _llama_run(a: dict):
     from llama_cpp import Llama
+    # n_batch=1: the prompt goes in one token at a time. llama-cpp-python 0.3.36's ggml segfaults in
+    # ggml_backend_amx_mul_mat on multi-token batches on AMX hosts (gdb, Xeon with amx_int8); decode, what is timed,
+    # is one token per call either way, and the prompt's cost cancels out of the rate (t1 is subtracted).
     llm = Llama(model_path=a["gguf"], n_ctx=a["ctx"] + a["n"] + 16, n_threads=a["threads"], verbose=False,
-                n_batch=512)
+                n_batch=1)
     prompt = _prompts(1, a["ctx"])[0]
 
     def run(n):

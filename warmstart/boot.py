@@ -333,7 +333,12 @@ def _quantization_summary(tensors: dict[str, torch.Tensor], requested: str) -> d
             prefix = name.removesuffix(".qweight")
             kind = "int4" if f"{prefix}.mins" in tensors or f"{prefix}.scales_zeros" in tensors else "int8"
             kinds[kind] = kinds.get(kind, 0) + 1
-    return {"requested": requested, "linears": kinds, "weight_bytes": weights_nbytes(tensors)}
+    from warmstart.models.quant import native_kernel
+    from warmstart import kernels
+    kernel = None
+    if kinds:
+        kernel = f"warmstart {kernels.qlinear_isa()}" if native_kernel() else "torch (aten weight-only int8/int4 mm)"
+    return {"requested": requested, "linears": kinds, "weight_bytes": weights_nbytes(tensors), "kernel": kernel}
 
 
 def _device_index(device: str) -> int:

@@ -166,3 +166,56 @@ def test_panel_path_equals_the_dequantized_weight(kind, rows):
     assert torch.allclose(y, want, atol=1e-5 * want.abs().max().item(), rtol=0)
     y_int8_act = kernels.qlinear(*args, dense_min_rows=0, panel_min_rows=0)
     assert (y_int8_act - want).abs().max() > 10 * (y - want).abs().max()   # the panel path really ran
+
+
+@pytest.fixture
+def vnni():
+    """The AVX-512 VNNI integer kernels (csrc/qlinear_vnni.h), restored afterwards; skipped where the CPU lacks
+    them (the AVX2 ones are then what every other test here runs)."""
+    from warmstart import kernels
+    if not kernels.has_qlinear():
+        pytest.skip("the compiled quantized-linear kernel is not built here")
+    before = kernels.qlinear_isa()
+    if kernels.set_qlinear_isa("avx512-vnni") != "avx512-vnni":
+        kernels.set_qlinear_isa(before)
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    yield kernels
+    kernels.set_qlinear_isa(before)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("n,k", [(1, 32), (7, 96), (33, 64), (130, 320), (50, 1536), (9, 160)])
+def test_vnni_route_equals_the_avx2_route(vnni, kind, n, k):
+    """Same activation codes and block scales, the same integer sums: the two ISAs differ only in the order of the
+    float accumulation. Odd block counts (96, 160, 32) take the half-empty last pair; n not a multiple of 4 takes
+    the single-row tiles; 1-7 rows take every activation-row tile (4, 3, 2, 1)."""
+    torch.manual_seed(n + k)
+    w = torch.randn(n, k)
+    canon = quant.quantize_int4(w) if kind == "int4" else quant.quantize_int8(w)
+    ready = quant.prepare(canon)
+    ref_w = quant.dequantize(canon)
+    for rows in range(1, 8):
+        x = torch.randn(rows, k)
+        args = (x, ready["qweight"], ready["scales"], ready.get("mins"))
+        assert vnni.set_qlinear_isa("avx2") == "avx2"
+        a = vnni.qlinear(*args)
+        assert vnni.set_qlinear_isa("avx512-vnni") == "avx512-vnni"
+        b = vnni.qlinear(*args)
+        assert (a - b).abs().max() <= 1e-5 * a.abs().max(), (rows, (a - b).abs().max())
+        ref = x @ ref_w.t()
+        assert (b - ref).abs().max() <= REL_TOL * ref.abs().max()
+
+
+def test_kernel_isa_is_held_by_the_environment():
+    """WARMSTART_KERNEL_ISA=avx2 holds a fresh process at AVX2 whatever the CPU has."""
+    import subprocess
+    import sys
+    from warmstart import kernels
+    if not kernels.has_qlinear():
+        pytest.skip("the compiled quantized-linear kernel is not built here")
+    code = "from warmstart import kernels; print(kernels.qlinear_isa())"
+    env = {**__import__("os").environ, "WARMSTART_KERNEL_ISA": "avx2"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "avx2"
+    with pytest.raises(RuntimeError, match="unknown kernel ISA"):
+        kernels.set_qlinear_isa("sse9")

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 __all__ = ["paged_attention", "paged_attention_torch", "has_native", "NATIVE_UNAVAILABLE_REASON", "qlinear",
-           "has_qlinear", "QLINEAR_UNAVAILABLE_REASON", "add_rms_norm", "rotary_", "write_kv", "silu_mul",
+           "has_qlinear", "QLINEAR_UNAVAILABLE_REASON", "qlinear_isa", "set_qlinear_isa", "add_rms_norm", "rotary_",
+           "write_kv", "silu_mul",
            "has_fused", "FUSED_UNAVAILABLE_REASON", "native_stack", "STACK_UNAVAILABLE_REASON"]
 
 _REQUIRED_X86_FLAGS = ("avx2", "fma", "f16c")   # the kernel is compiled for x86-64-v3's vector ISA (see setup.py)
@@ -167,6 +168,19 @@ def has_qlinear() -> bool:
 # The two float32 routes are exact (full-precision activations); the int8-activation one rounds activations.
 PANEL_MIN_ROWS = 8
 DENSE_MIN_ROWS = 256
+
+
+def qlinear_isa() -> str | None:
+    """The integer kernels the int8-activation route runs: "avx512-vnni" (chosen at run time where the CPU has
+    AVX-512 VNNI: vpdpbusd, 64 weights per instruction), "avx2", or None without the compiled kernel.
+    WARMSTART_KERNEL_ISA=avx2 holds it at AVX2."""
+    return _qlinear.isa() if _qlinear is not None else None
+
+
+def set_qlinear_isa(name: str) -> str | None:
+    """Holds the integer kernels at "avx2" or allows "avx512-vnni" (at most what the CPU has), for A/B runs and
+    tests; returns the level in force. One setting per process (all four modules share it)."""
+    return _qlinear.set_isa(name) if _qlinear is not None else None
 
 
 def qlinear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None = None,

@@ -24,6 +24,7 @@
 #endif
 
 #include "pool.h"
+#include "qlinear_vnni.h"
 #include "vec_math.h"
 
 namespace ws::qlinear {
@@ -356,10 +357,18 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scal
     return dense_qlinear(xf, int4, int4 ? qweight.data_ptr<uint8_t>() : nullptr,
                          int4 ? nullptr : qweight.data_ptr<int8_t>(), scales.data_ptr<float>(),
                          int4 ? mins->data_ptr<float>() : nullptr, N, K);
+  auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat));
+#if WS_VNNI512
+  if (isa_level() >= 2) {
+    vnni::qlinear_int8_act(xf.data_ptr<float>(), M, K, N, int4, int4 ? qweight.data_ptr<uint8_t>() : nullptr,
+                           int4 ? nullptr : qweight.data_ptr<int8_t>(), scales.data_ptr<float>(),
+                           int4 ? mins->data_ptr<float>() : nullptr, y.data_ptr<float>());
+    return y;
+  }
+#endif
   std::vector<int8_t> qx(M * K);
   std::vector<float> dx(M * nb), sx(M * nb);
   quantize_rows(xf.data_ptr<float>(), M, K, int4, qx.data(), dx.data(), sx.data());
-  auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat));
   float* out = y.data_ptr<float>();
   const float* sc = scales.data_ptr<float>();
   const float* mn = int4 ? mins->data_ptr<float>() : nullptr;

@@ -1,0 +1,276 @@
+// The int8-activation route of qlinear.h (decode steps of a few rows) on CPUs with AVX-512 VNNI: the same integer
+// dot products, 64 weights per instruction. The extension is built for x86-64-v3 (AVX2), so this code is compiled
+// for AVX-512 by a target pragma and runs only where the CPU has it, chosen at run time (isa() below).
+//
+// Why: on AVX2 a block of 32 int4 weights costs ~12 instructions (unpack, vpmaddubsw, vpmaddwd, convert, scale,
+// FMA), so at one row the kernel is compute-bound well below the memory bandwidth. vpdpbusd multiplies 64 unsigned
+// bytes by 64 signed ones and sums each group of 4 into an int32 lane in one instruction; with the unpack and the
+// per-block scale a pair of blocks (64 weights) costs ~8.
+//
+// Integer sums are exactly those of the AVX2 path (same activation codes, same block scales); only the float
+// accumulation order differs, so outputs agree to float rounding, not bit for bit.
+//   int4: the weight codes (0..15, unsigned) x activation codes (-127..127, signed).
+//   int8: the activation codes + 128 (unsigned) x weight codes (signed), minus 128 * sum(weights) per block.
+// Activations are laid out per pair of blocks (64 bytes), in the lane order the weight unpacking produces:
+//   int4: [block 0 even elements, block 1 even, block 0 odd, block 1 odd] (16 codes each: a 32-byte load of two
+//         blocks' nibbles, broadcast to both halves and shifted by 0 or 4, gives exactly these lanes);
+//   int8: [block 0, block 1] (32 codes each, as stored).
+// An odd last block is a pair with zero weights in its second half.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "pool.h"
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define WS_VNNI512 1
+#else
+#define WS_VNNI512 0
+#endif
+
+namespace ws::qlinear {
+
+// Which integer kernels run: 2 = AVX-512 VNNI, 1 = AVX2 (0: a build without AVX2). The CPU's best by default;
+// WARMSTART_KERNEL_ISA=avx2 (or set_isa) holds it lower, for A/B runs and for the tests of both. One value per
+// process: a function-local static of an inline function is one symbol across the four modules (see pool.h).
+inline int cpu_isa() {
+#if WS_VNNI512
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512vnni"))
+    return 2;
+#endif
+#if defined(__AVX2__)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+inline int& isa_level() {
+  static int level = [] {
+    const int best = cpu_isa();
+    const char* env = std::getenv("WARMSTART_KERNEL_ISA");
+    if (env && std::strcmp(env, "avx2") == 0) return best < 1 ? best : 1;
+    return best;
+  }();
+  return level;
+}
+
+inline std::string isa_name(int level) { return level == 2 ? "avx512-vnni" : level == 1 ? "avx2" : "scalar"; }
+inline std::string isa() { return isa_name(isa_level()); }
+
+// Sets the level by name ("avx512-vnni" or "avx2"), at most the CPU's; returns the name of the level now in force.
+// (A build without AVX2 runs its scalar code whatever this says.)
+inline std::string set_isa(const std::string& name) {
+  const int want = name == "avx512-vnni" ? 2 : name == "avx2" ? 1 : -1;
+  TORCH_CHECK(want >= 0, "unknown kernel ISA '", name, "' (avx512-vnni or avx2)");
+  isa_level() = std::min(want, cpu_isa());
+  return isa();
+}
+
+#if WS_VNNI512
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12 on its own _mm512_undefined_* in the intrinsics
+#pragma GCC diagnostic ignored "-Wuninitialized"
+
+namespace vnni {
+
+// x [M, K] fp32 -> per row: np pairs of 64 code bytes (layout above), the block scales [np * 2] (0 for a missing
+// last block), and for int4 sum(codes) * scale per block [nb]. Codes and scales equal quantize_rows' exactly:
+// the same max|x| / 127 scale and round-to-nearest-even (the default MXCSR mode, as std::nearbyint).
+inline void quantize_rows(const float* x, int64_t M, int64_t K, bool int4, uint8_t* q, float* dx, float* sx) {
+  const int64_t nb = K / 32, np = (nb + 1) / 2;
+  const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i odd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  ws::pool::parallel_for(0, M * np, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t m = i / np, p = i % np;
+      uint8_t* dst = q + i * 64;
+      float* d2 = dx + m * np * 2 + p * 2;
+      for (int64_t j = 0; j < 2; ++j) {
+        const int64_t b = 2 * p + j;
+        if (b >= nb) {  // the missing second block of an odd count: weights there are zero
+          d2[j] = 0.f;
+          if (int4) {
+            std::memset(dst + 16, 0, 16);
+            std::memset(dst + 48, 0, 16);
+          } else {
+            std::memset(dst + 32, 128, 32);
+          }
+          continue;
+        }
+        const float* src = x + m * K + b * 32;
+        const __m512 a = _mm512_loadu_ps(src), c = _mm512_loadu_ps(src + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
+        const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+        const __m512 vi = _mm512_set1_ps(inv);
+        const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, vi)), qc = _mm512_cvtps_epi32(_mm512_mul_ps(c, vi));
+        d2[j] = d;
+        if (int4) {
+          const __m512i qe = _mm512_permutex2var_epi32(qa, even, qc), qo = _mm512_permutex2var_epi32(qa, odd, qc);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16 * j), _mm512_cvtepi32_epi8(qe));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 32 + 16 * j), _mm512_cvtepi32_epi8(qo));
+          sx[m * nb + b] = static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qc))) * d;
+        } else {
+          const __m512i off = _mm512_set1_epi32(128);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 32 * j), _mm512_cvtepi32_epi8(_mm512_add_epi32(qa, off)));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 32 * j + 16),
+                           _mm512_cvtepi32_epi8(_mm512_add_epi32(qc, off)));
+        }
+      }
+    }
+  });
+}
+
+// Two floats (a pair's two block scales; the second 0 past the last block) spread over the 16 int32 lanes that
+// hold each block's partial sums.
+inline __m512 spread(const float* s, bool both, __m512i idx) {
+  const __m128 v = both ? _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(s))) : _mm_load_ss(s);
+  return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(v));
+}
+
+// sum_b a[b] * b[b] over n floats
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  if (i < n) {
+    const __mmask16 k = static_cast<__mmask16>((1u << (n - i)) - 1);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, a + i), _mm512_maskz_loadu_ps(k, b + i), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+// R activation rows x C consecutive weight rows (starting at row n) into out[r * N + n + c].
+template <int R, int C>
+inline void int4_tile(const uint8_t* w, const float* sc, const float* mn, int64_t n, int64_t K, int64_t N,
+                      const uint8_t* q, const float* dx, const float* sx, float* out) {
+  const int64_t nb = K / 32, np = (nb + 1) / 2, full = nb / 2;
+  const __m512i shifts = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0), low = _mm512_set1_epi8(0x0F);
+  const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  auto pair = [&](int64_t p, bool both) __attribute__((always_inline)) {
+    __m512i wv[C];
+    __m512 ws[C];
+    for (int c = 0; c < C; ++c) {
+      const uint8_t* row = w + (n + c) * (K / 2) + p * 32;
+      const __m256i bytes = both ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row))
+                                 : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
+      wv[c] = _mm512_and_si512(_mm512_srlv_epi64(_mm512_broadcast_i64x4(bytes), shifts), low);
+      ws[c] = spread(sc + (n + c) * nb + 2 * p, both, idx);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512i xv = _mm512_loadu_si512(q + (r * np + p) * 64);
+      const __m512 dv = spread(dx + r * np * 2 + 2 * p, true, idx);
+      for (int c = 0; c < C; ++c)
+        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[c], xv)),
+                                    _mm512_mul_ps(ws[c], dv), acc[r][c]);
+    }
+  };
+  for (int64_t p = 0; p < full; ++p) pair(p, true);
+  if (full < np) pair(full, false);
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c)
+      out[r * N + n + c] = _mm512_reduce_add_ps(acc[r][c]) + dot(mn + (n + c) * nb, sx + r * nb, nb);
+}
+
+template <int R, int C>
+inline void int8_tile(const int8_t* w, const float* sc, int64_t n, int64_t K, int64_t N, const uint8_t* q,
+                      const float* dx, float* out) {
+  const int64_t nb = K / 32, np = (nb + 1) / 2, full = nb / 2;
+  const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i c128 = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  auto pair = [&](int64_t p, bool both) __attribute__((always_inline)) {
+    __m512i wv[C], corr[C];
+    __m512 ws[C];
+    for (int c = 0; c < C; ++c) {
+      const int8_t* row = w + (n + c) * K + p * 64;
+      wv[c] = both ? _mm512_loadu_si512(row)
+                   : _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)));
+      // -128 * (sum of each lane's 4 weights): the offset the unsigned activation codes carry
+      corr[c] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), c128, wv[c]));
+      ws[c] = spread(sc + (n + c) * nb + 2 * p, both, idx);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512i xv = _mm512_loadu_si512(q + (r * np + p) * 64);
+      const __m512 dv = spread(dx + r * np * 2 + 2 * p, true, idx);
+      for (int c = 0; c < C; ++c)
+        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(corr[c], xv, wv[c])),
+                                    _mm512_mul_ps(ws[c], dv), acc[r][c]);
+    }
+  };
+  for (int64_t p = 0; p < full; ++p) pair(p, true);
+  if (full < np) pair(full, false);
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) out[r * N + n + c] = _mm512_reduce_add_ps(acc[r][c]);
+}
+
+// R rows of activations against weight rows [begin, end): C rows at a time, then one. (Software prefetch of the
+// rows ahead, 2-6 KiB, and C = 1, 2 or 4 at one row measured alike on the 2-core Xeon, within its noise: the
+// weight stream runs near the read bandwidth either way.)
+template <int R, int C>
+inline void rows(bool int4, const uint8_t* w4, const int8_t* w8, const float* sc, const float* mn, int64_t begin,
+                 int64_t end, int64_t K, int64_t N, const uint8_t* q, const float* dx, const float* sx, float* out) {
+  int64_t n = begin;
+  if (int4) {
+    for (; n + C <= end; n += C) int4_tile<R, C>(w4, sc, mn, n, K, N, q, dx, sx, out);
+    for (; n < end; ++n) int4_tile<R, 1>(w4, sc, mn, n, K, N, q, dx, sx, out);
+  } else {
+    for (; n + C <= end; n += C) int8_tile<R, C>(w8, sc, n, K, N, q, dx, out);
+    for (; n < end; ++n) int8_tile<R, 1>(w8, sc, n, K, N, q, dx, out);
+  }
+}
+
+// y [M, N] = x [M, K] times the weight, activations quantized to int8 per block of 32.
+__attribute__((noinline)) inline void qlinear_int8_act(const float* x, int64_t M, int64_t K, int64_t N, bool int4,
+                                                       const uint8_t* w4, const int8_t* w8, const float* sc,
+                                                       const float* mn, float* out) {
+  const int64_t nb = K / 32, np = (nb + 1) / 2;
+  thread_local std::vector<uint8_t> qbuf;
+  thread_local std::vector<float> dbuf, sbuf;
+  if (static_cast<int64_t>(qbuf.size()) < M * np * 64) qbuf.resize(M * np * 64);
+  if (static_cast<int64_t>(dbuf.size()) < M * np * 2) dbuf.resize(M * np * 2);
+  if (static_cast<int64_t>(sbuf.size()) < M * nb) sbuf.resize(M * nb);
+  uint8_t* q = qbuf.data();
+  float *dx = dbuf.data(), *sx = sbuf.data();
+  quantize_rows(x, M, K, int4, q, dx, sx);
+  ws::pool::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    int64_t m = 0;
+    if (M == 1) {
+      rows<1, 4>(int4, w4, w8, sc, mn, begin, end, K, N, q, dx, sx, out);
+      return;
+    }
+    for (; m + 4 <= M; m += 4)
+      rows<4, 2>(int4, w4, w8, sc, mn, begin, end, K, N, q + m * np * 64, dx + m * np * 2, sx + m * nb,
+                 out + m * N);
+    const uint8_t* qm = q + m * np * 64;
+    const float *dm = dx + m * np * 2, *sm = sx + m * nb;
+    switch (M - m) {
+      case 3: rows<3, 2>(int4, w4, w8, sc, mn, begin, end, K, N, qm, dm, sm, out + m * N); break;
+      case 2: rows<2, 2>(int4, w4, w8, sc, mn, begin, end, K, N, qm, dm, sm, out + m * N); break;
+      case 1: rows<1, 4>(int4, w4, w8, sc, mn, begin, end, K, N, qm, dm, sm, out + m * N); break;
+      default: break;
+    }
+  });
+}
+
+}  // namespace vnni
+
+#pragma GCC diagnostic pop
+#pragma GCC pop_options
+#endif  // WS_VNNI512
+
+}  // namespace ws::qlinear
