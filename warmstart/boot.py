@@ -72,9 +72,12 @@ def resolve_model_dir(model: str, cache_dir: Path) -> Path:
 
 
 def resolve_dtype(requested: str, facts: DeviceFacts, spec: ModelSpec | None = None,
-                  cache_dir: Path | None = None) -> torch.dtype:
-    """The weight/activation dtype. On CPU, auto is decided by runner/dtype_probe.py (measured where it is not
-    obvious, cached per machine); pass the model's spec and the cache dir so the probe uses its shapes."""
+                  cache_dir: Path | None = None, quantized: bool = False) -> torch.dtype:
+    """The weight/activation dtype. On CPU, auto is float32 when the linears are quantized and run on warmstart's
+    integer kernels (`quantized`: they compute in integers and float32, and the compiled decode step takes float32
+    activations only; bfloat16 ones ran the default model at half the speed), and is otherwise decided by
+    runner/dtype_probe.py (measured where it is not obvious, cached per machine); pass the model's spec and the
+    cache dir so the probe uses its shapes."""
     if requested != "auto":
         if requested == "bfloat16" and facts.kind == "cpu" and not facts.has_fast_bf16:
             log.warning("bfloat16 on this CPU (%s) has no native matmul support and runs slower than float32",
@@ -82,12 +85,29 @@ def resolve_dtype(requested: str, facts: DeviceFacts, spec: ModelSpec | None = N
         return DTYPES[requested]
     if facts.kind == "cuda":
         return torch.bfloat16 if facts.has_fast_bf16 else torch.float16
+    if quantized:
+        from warmstart.models.quant import native_kernel
+        if native_kernel():
+            log.info("dtype auto: float32 (quantized linears on warmstart's integer kernels)")
+            return torch.float32
     from warmstart.paths import warmstart_cache_dir
     from warmstart.runner.dtype_probe import choose_cpu_dtype
     h, i = (spec.hidden_size, spec.intermediate_size) if spec else (1024, 4096)
     choice = choose_cpu_dtype(facts.name, facts.capability, [(i, h), (h, i), (h, h)],
                               cache_dir or warmstart_cache_dir())
     return DTYPES[choice.dtype]
+
+
+def quantized_load(requested: str, model_dir: Path) -> bool:
+    """Whether the load keeps quantized linears: --quantization int8/int4, or auto on a quantized checkpoint (an
+    imported GGUF). Reads only the checkpoint's tensor names."""
+    if requested in ("int8", "int4"):
+        return True
+    if requested != "auto":
+        return False
+    from warmstart.weights.loader import checkpoint_names
+    from warmstart.weights.quantize import checkpoint_kind
+    return checkpoint_kind(checkpoint_names(model_dir)) == "quantized"
 
 
 @dataclass
@@ -148,7 +168,8 @@ def boot_shard(config: EngineConfig, timer: StepTimer, group=None) -> Shard:
         device = get_device(config.device_kind, device_index)
         facts = device.facts()
         free_at_boot = device.free_bytes()
-        dtype = resolve_dtype(config.dtype, facts, spec, config.cache_dir)
+        dtype = resolve_dtype(config.dtype, facts, spec, config.cache_dir,
+                              quantized=quantized_load(config.quantization, model_dir))
         kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype, config.device_kind)
         max_model_len = _max_model_len(config, spec)
         torch.manual_seed(config.seed)

@@ -126,7 +126,7 @@ def _daemon_charge(config, model_dir, device, facts) -> tuple[int, str | None]:
         return 0, None
     import os
 
-    from warmstart.boot import resolve_dtype
+    from warmstart.boot import quantized_load, resolve_dtype
     from warmstart.weights import client
     from warmstart.weights.manifest import build_cache_key
     from warmstart.weights.transport import device_id
@@ -136,7 +136,8 @@ def _daemon_charge(config, model_dir, device, facts) -> tuple[int, str | None]:
         return 0, None
     try:
         from warmstart.models.spec import ModelSpec
-        dtype = resolve_dtype(config.dtype, facts, ModelSpec.from_dir(model_dir), config.cache_dir)
+        dtype = resolve_dtype(config.dtype, facts, ModelSpec.from_dir(model_dir), config.cache_dir,
+                              quantized=quantized_load(config.quantization, model_dir))
         key = build_cache_key(model_dir, dtype, "target", device_id(device.torch_device()), rank=config.rank,
                               world_size=config.world_size, quantization=config.quantization)
         with client.DaemonSession(path) as session:

@@ -107,11 +107,43 @@ def test_a_step_runs_one_thread_per_cpu_and_the_caller_gets_its_mask_back():
     assert str(cpus[1]) in during.values()
 
 
-@pytest.mark.parametrize("flags,expected", [("avx2,fma", "float32"), ("avx2,avx512f,amx_bf16", "bfloat16")])
-def test_dtype_rules_that_need_no_measurement(flags, expected, tmp_path):
-    choice = dtype_probe.choose_cpu_dtype("cpu", flags, [(64, 32)], tmp_path)
-    assert choice.dtype == expected and choice.fp32_us is None
+def test_dtype_rule_that_needs_no_measurement(tmp_path):
+    choice = dtype_probe.choose_cpu_dtype("cpu", "avx2,fma", [(64, 32)], tmp_path)
+    assert choice.dtype == "float32" and choice.fp32_us is None
     assert not (tmp_path / "probes").exists()
+
+
+def test_amx_is_measured_not_assumed(tmp_path):
+    """AMX used to mean bfloat16 unmeasured; at batch 1 it measured slower than float32 on an AMX Xeon."""
+    choice = dtype_probe.choose_cpu_dtype("cpu", "avx512f,avx512_bf16,amx_bf16,amx_tile", [(256, 128)], tmp_path)
+    assert choice.reason == "measured" and choice.fp32_us > 0 and choice.bf16_us > 0
+
+
+def test_quantized_linears_on_the_native_kernels_take_float32(tmp_path, monkeypatch):
+    """Whatever the probe says about float linears: the integer kernels and the compiled decode step take float32
+    activations. Without those kernels (torch's int8/int4 mm) the probe decides, as for float weights."""
+    import torch
+    from safetensors.torch import save_file
+    from warmstart import boot
+    from warmstart.models import quant
+    from warmstart.startup.device import DeviceFacts
+    monkeypatch.setattr(dtype_probe, "choose_cpu_dtype",
+                        lambda *a, **k: dtype_probe.DtypeChoice("bfloat16", "stub: the probe's verdict"))
+    facts = DeviceFacts(kind="cpu", name="cpu", total_bytes=2**34, capability="avx512f,avx512_bf16")
+    monkeypatch.setattr(quant, "native_kernel", lambda: True)
+    assert boot.resolve_dtype("auto", facts, cache_dir=tmp_path, quantized=True) is torch.float32
+    assert boot.resolve_dtype("auto", facts, cache_dir=tmp_path, quantized=False) is torch.bfloat16
+    assert boot.resolve_dtype("bfloat16", facts, cache_dir=tmp_path, quantized=True) is torch.bfloat16
+    monkeypatch.setattr(quant, "native_kernel", lambda: False)
+    assert boot.resolve_dtype("auto", facts, cache_dir=tmp_path, quantized=True) is torch.bfloat16
+    # which loads keep quantized linears: read from the checkpoint's tensor names
+    floats, gguf = tmp_path / "float", tmp_path / "gguf"
+    floats.mkdir(), gguf.mkdir()
+    save_file({"model.layers.0.mlp.up_proj.weight": torch.zeros(4, 4)}, str(floats / "model.safetensors"))
+    save_file({"model.layers.0.mlp.up_proj.qweight": torch.zeros(4, 4, dtype=torch.int8)},
+              str(gguf / "model.safetensors"))
+    assert not boot.quantized_load("auto", floats) and boot.quantized_load("auto", gguf)
+    assert boot.quantized_load("int4", floats) and not boot.quantized_load("none", gguf)
 
 
 def test_avx512_bf16_is_measured_once_and_cached(tmp_path, monkeypatch):

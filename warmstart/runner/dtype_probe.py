@@ -1,12 +1,15 @@
 """`--dtype auto` on CPU: bfloat16 only where this CPU runs it faster than float32, decided by measuring.
 
 Rules, cheapest first:
-- AMX (amx_bf16): bfloat16, no measurement (oneDNN's AMX matmuls are several times fp32's).
 - No avx512_bf16: float32, no measurement (bf16 matmuls are converted to fp32 and run 2-8x slower: measured on
   this project's AVX2 hosts, benchmarks/decode.py).
-- avx512_bf16 without AMX: measure. The model's own linear shapes at batch 1 and at a small batch, float32 vs
-  bfloat16, best of several runs; bfloat16 wins only if it is at least 10 % faster at batch 1, the decode case.
-  The research host measured warmstart bf16/fp32 = 1.77x at batch 1 (shared/research/peers.md, finding 5).
+- avx512_bf16, with or without AMX: measure. The model's own linear shapes at batch 1, float32 vs bfloat16, best of
+  several runs; bfloat16 wins only if it is at least 10 % faster at batch 1, the decode case. The research host
+  (AVX512-BF16, no AMX) measured warmstart bf16/fp32 = 1.77x at batch 1 (shared/research/peers.md, finding 5). AMX
+  used to mean bfloat16 without a measurement; on the 2-core AMX Xeon that was wrong: batch-1 linears fp32 163 us
+  vs bf16 219-264 us (oneDNN's AMX tiles pay off at many rows, not at one), and the served default decoded at
+  54-59 tok/s instead of 111-121.
+(Quantized linears on warmstart's integer kernels take float32 regardless: boot.resolve_dtype.)
 The decision is cached per (CPU model, ISA flags, torch version) under <cache>/probes/, so a restart never
 measures again and two boots of one machine always agree (the plan key records the requested dtype)."""
 from __future__ import annotations
@@ -37,8 +40,6 @@ class DtypeChoice:
 
 def choose_cpu_dtype(cpu_name: str, capability: str, shapes: list[tuple[int, int]], cache_dir: Path) -> DtypeChoice:
     flags = set(capability.split(","))
-    if "amx_bf16" in flags:
-        return DtypeChoice("bfloat16", "AMX")
     if "avx512_bf16" not in flags:
         return DtypeChoice("float32", "no avx512_bf16: bfloat16 matmuls are emulated")
     key = hashlib.sha256(json.dumps([cpu_name, capability, torch.__version__, shapes]).encode()).hexdigest()[:16]

@@ -28,7 +28,9 @@ from warmstart.startup.ledger import MemoryLedger
 
 log = logging.getLogger("warmstart.plan")
 
-PLAN_SCHEMA = 2          # 2: kv_cache_dtype auto became float16 for float32 models on CPU
+# 2: kv_cache_dtype auto became float16 for float32 models on CPU; 3: dtype auto became float32 for quantized linears
+# on warmstart's kernels and is measured on AMX CPUs too (the key holds the requested dtype, not the resolved one)
+PLAN_SCHEMA = 3
 # Fields whose change is expected to re-profile; listed first in a miss reason because they explain most misses.
 _STALE_TMP_SECONDS = 3600
 MAX_PLANS = 64            # per cache root; the least recently written go first

@@ -20,7 +20,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     # The CLI is a composition root: it resolves the model and dtype with the boot's own functions, so that a
     # daemon started with the same flags as an engine computes the same cache key.
-    from warmstart.boot import resolve_dtype, resolve_model_dir
+    from warmstart.boot import quantized_load, resolve_dtype, resolve_model_dir
     from warmstart.paths import warmstart_cache_dir
     from warmstart.startup.device import get_device
     from warmstart.weights.daemon import WeightDaemon
@@ -32,7 +32,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UserError(f"--device {args.device!r} is not supported; use auto, cpu or cuda[:N].")
     device = get_device(kind, int(index or 0))
     from warmstart.models.spec import ModelSpec
-    dtype = resolve_dtype(args.dtype, device.facts(), ModelSpec.from_dir(model_dir), cache_dir)
+    # resolved exactly as an engine's boot does, so the daemon's cache key names the dtype the engine asks for
+    dtype = resolve_dtype(args.dtype, device.facts(), ModelSpec.from_dir(model_dir), cache_dir,
+                          quantized=quantized_load(args.quantization, model_dir))
     daemon = WeightDaemon(model_dir, dtype, device.torch_device(), args.role,
                           Path(args.socket_dir) if args.socket_dir else None, rank=args.rank,
                           world_size=args.world_size, quantization=args.quantization)

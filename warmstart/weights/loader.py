@@ -70,6 +70,19 @@ def checkpoint_identity(model_dir: Path) -> list[dict]:
     return out
 
 
+def checkpoint_names(model_dir: Path) -> list[str]:
+    """The checkpoint's tensor names, from the safetensors headers alone (an unreadable file adds none: the load
+    reports it)."""
+    names: list[str] = []
+    for f in checkpoint_files(model_dir):
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                names.extend(fh.keys())
+        except (SafetensorError, OSError):
+            pass
+    return names
+
+
 def load_tensors(model_dir: Path, dtype: torch.dtype, device: torch.device | str = "cpu",
                  progress: bool = True, quantization: str = "auto",
                  shard: Callable[[dict], dict] | None = None) -> dict[str, torch.Tensor]:
