@@ -37,7 +37,7 @@ def test_results_do_not_depend_on_the_thread_count(threads):
     seq, ctx = torch.tensor([0, 1, 2, 2, 1], dtype=torch.int32), torch.tensor([300, 17, 320, 1, 299], dtype=torch.int32)
     x, x40 = torch.randn(7, 256), torch.randn(40, 256)
     qw = torch.randint(0, 256, (96, 128), dtype=torch.uint8)
-    sc, mn = torch.rand(96, 8), torch.randn(96, 8)
+    sc, mn = torch.rand(96, 8).half(), torch.randn(96, 8).half()
     h, w = torch.randn(40, 576), torch.randn(576)
     outs = []
     for n in (1, 2, 3):

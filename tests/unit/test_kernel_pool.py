@@ -29,7 +29,7 @@ def _inputs(seed: int = 0) -> dict:
         ctx=torch.tensor([300, 17, 320, 1, 299], dtype=torch.int32),
         x=torch.randn(7, 256, generator=g), x40=torch.randn(40, 256, generator=g),
         qw=torch.randint(0, 256, (96, 128), dtype=torch.uint8, generator=g),
-        sc=torch.rand(96, 8, generator=g), mn=torch.randn(96, 8, generator=g),
+        sc=torch.rand(96, 8, generator=g).half(), mn=torch.randn(96, 8, generator=g).half(),
         h=torch.randn(40, 576, generator=g), w=torch.randn(576, generator=g))
 
 
@@ -93,7 +93,8 @@ def test_a_loop_finishes_with_no_worker_at_all():
         from warmstart import kernels
         torch.set_num_threads(2)
         x = torch.randn(40, 256)
-        qw, sc, mn = torch.randint(0, 256, (96, 128), dtype=torch.uint8), torch.rand(96, 8), torch.randn(96, 8)
+        qw = torch.randint(0, 256, (96, 128), dtype=torch.uint8)
+        sc, mn = torch.rand(96, 8).half(), torch.randn(96, 8).half()
         want = kernels.qlinear(x, qw, sc, mn)          # starts the pool's worker
         assert kernels.pool_stats()["worker_chunks"] >= 0
         pid = os.fork()

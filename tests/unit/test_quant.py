@@ -105,7 +105,8 @@ def test_gguf_other_formats_requantize_to_int8(qtype):
 
 def test_q8_0_group_scales_stay_exact_on_the_native_kernel(kernel):
     q = torch.randint(-127, 128, (16, 64), dtype=torch.int8)
-    canon = {"qweight": q, "scales": torch.rand(16, 2) + 0.1}              # a scale per block of 32, as Q8_0
+    # a scale per block of 32, as Q8_0 stores it: float16 values (the native kernel keeps them in float16)
+    canon = {"qweight": q, "scales": (torch.rand(16, 2) + 0.1).half().float()}
     module = quant.make_linear({f"l.{k}": v for k, v in quant.prepare(canon).items()}, "l", 64, 16)
     exact = torch.equal(module.dequantized(), quant.dequantize(canon))
     assert exact == (kernel == "native")        # torch's int8 kernel takes one scale per row: re-quantized
@@ -131,7 +132,7 @@ def test_postprocess_modes_keep_names_and_shrink_bytes(kernel):
 
 def _compiled_case(kind: str, n: int, k: int, rows: int):
     """The compiled kernel's arguments (x [rows, k] and a random [n, k] weight quantized as `kind`) and x times the
-    dequantized weight; skips where the kernel is not built."""
+    weight they stand for (float16 scales and mins, as prepared); skips where the kernel is not built."""
     from warmstart import kernels
     if not kernels.has_qlinear():
         pytest.skip("the compiled quantized-linear kernel is not built here")
@@ -139,7 +140,7 @@ def _compiled_case(kind: str, n: int, k: int, rows: int):
     canon = quant.quantize_int4(w) if kind == "int4" else quant.quantize_int8(w)
     ready = quant.prepare(canon)
     x = torch.randn(rows, k)
-    return (x, ready["qweight"], ready["scales"], ready.get("mins")), x @ quant.dequantize(canon).t()
+    return (x, ready["qweight"], ready["scales"], ready.get("mins")), x @ quant.dequantize(ready).t()
 
 
 @pytest.mark.parametrize("kind", ["int4", "int8"])
@@ -188,13 +189,14 @@ def vnni():
 def test_vnni_route_equals_the_avx2_route(vnni, kind, n, k):
     """Same activation codes and block scales, the same integer sums: the two ISAs differ only in the order of the
     float accumulation. Odd block counts (96, 160, 32) take the half-empty last pair; n not a multiple of 4 takes
-    the single-row tiles; 1-7 rows take every activation-row tile (4, 3, 2, 1)."""
+    the single-row tiles; 1-7 rows take every activation-row tile (4, 3, 2, 1); 8, 11 and 70 rows the float32
+    panel route (AVX-512: 4 x 6 tiles; n = 130 leaves every remainder of 6 and of 3)."""
     torch.manual_seed(n + k)
     w = torch.randn(n, k)
     canon = quant.quantize_int4(w) if kind == "int4" else quant.quantize_int8(w)
     ready = quant.prepare(canon)
-    ref_w = quant.dequantize(canon)
-    for rows in range(1, 8):
+    ref_w = quant.dequantize(ready)
+    for rows in (*range(1, 8), 8, 11, 70):
         x = torch.randn(rows, k)
         args = (x, ready["qweight"], ready["scales"], ready.get("mins"))
         assert vnni.set_qlinear_isa("avx2") == "avx2"

@@ -1,9 +1,9 @@
 """Weight-only quantized linears, and the formats they read.
 
 Two kernels. Where warmstart's compiled kernel loads (kernels/csrc/qlinear.h: x86-64-v3 and up), it runs on the
-canonical tensors as they are stored (no repacking at load, float32 scales kept exact) with activations quantized
-to int8 per block of 32, as llama.cpp does: on AVX2 hosts torch's int4 kernel is compute-bound at M=1 and no
-faster than float32 (benchmarks/decode.py). Elsewhere, torch's own kernels on bfloat16 activations, below.
+canonical codes as they are stored (no repacking at load; scales and mins in float16, as GGUF stores them) with
+activations quantized to int8 per block of 32, as llama.cpp does: on AVX2 hosts torch's int4 kernel is
+compute-bound at M=1 and no faster than float32 (benchmarks/decode.py). Elsewhere, torch's own kernels on bfloat16 activations, below.
 
 Two formats, both produced either from a GGUF file's blocks (weights/gguf.py) or by round-to-nearest at load
 (`--quantization int8|int4` on a float checkpoint):
@@ -19,7 +19,11 @@ Canonical tensors (what a checkpoint folder stores; ISA-independent):
     <linear>.qweight  int8 [N, K]          |  uint8 [N, K/2], element 2i in the low nibble of byte i
     <linear>.scales   float32 [N] or [N,K/G]|  float32 [N, K/GROUP]
     <linear>.mins                          |  float32 [N, K/GROUP]
-Kernel-ready tensors (what `prepare` returns and a weight daemon serves; the int4 packing is ISA-specific):
+Kernel-ready tensors (what `prepare` returns and a weight daemon serves). warmstart's kernel:
+    <linear>.qweight  int8 [N, K]          |  uint8 [N, K/2], as canonical
+    <linear>.scales   float16 [N, K/GROUP] |  float16 [N, K/GROUP]
+    <linear>.mins                          |  float16 [N, K/GROUP]
+torch's (the int4 packing is ISA-specific):
     <linear>.qweight  int8 [N, K]          |  uint8, aten._convert_weight_to_int4pack_for_cpu's layout
     <linear>.scales   bfloat16 [N]         |  <linear>.scales_zeros bfloat16 [K/GROUP, N, 2]
 The kernels take bfloat16 activations (their float32 paths are 10x slower), so a quantized linear casts its input
@@ -75,7 +79,7 @@ def dequantize(t: dict[str, torch.Tensor]) -> torch.Tensor:
     if "mins" in t:
         q = unpack_nibbles(t["qweight"]).float()
         group = q.shape[1] // t["scales"].shape[1]
-        return q * t["scales"].repeat_interleave(group, 1) + t["mins"].repeat_interleave(group, 1)
+        return q * t["scales"].float().repeat_interleave(group, 1) + t["mins"].float().repeat_interleave(group, 1)
     scales = t["scales"].float()
     if scales.dim() == 1:
         return t["qweight"].float() * scales[:, None]
@@ -98,13 +102,15 @@ def native_kernel() -> bool:
 
 
 def prepare(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Canonical tensors -> the kernel's. Native: as stored, int8 scales expanded to one per block of 32; torch:
-    scales in bfloat16, int4 repacked into the kernel's ISA layout."""
+    """Canonical tensors -> the kernel's. Native: codes as stored, scales and mins in float16 (GGUF's own, exact
+    for Q4_0/Q4_1/Q8_0; a rounding of 2^-11 at most for round-to-nearest and K-quant scales, which the reference
+    shares), int8 scales expanded to one per block of 32; torch: scales in bfloat16, int4 repacked into the
+    kernel's ISA layout."""
     k = t["qweight"].shape[1] * (2 if "mins" in t else 1)
     if native_kernel() and k % GROUP_SIZE == 0:
         if "mins" in t:
-            return {"qweight": t["qweight"], "scales": t["scales"].float(), "mins": t["mins"].float()}
-        scales = t["scales"].float()
+            return {"qweight": t["qweight"], "scales": t["scales"].half(), "mins": t["mins"].half()}
+        scales = t["scales"].half()
         if scales.dim() == 1:
             scales = scales[:, None].expand(-1, k // GROUP_SIZE).contiguous()
         return {"qweight": t["qweight"], "scales": scales}

@@ -20,7 +20,7 @@ from warmstart.errors import UserError
 
 # What load_tensors does after reading the checkpoint. Bump it whenever the disk path's post-processing changes,
 # so that a daemon started by an older build can never serve bytes the new disk path would not produce.
-POST_PROCESSING = "safetensors;floating->dtype;v2"
+POST_PROCESSING = "safetensors;floating->dtype;v3"   # v3: the native kernel's scales and mins are float16
 # CPU regions are mmapped and tensors viewed at these offsets; 64 bytes is a cache line and covers every dtype's
 # alignment. CUDA arenas use 256 so that every tensor starts where the caching allocator would have put it.
 ALIGN = {"cpu": 64, "cuda": 256}

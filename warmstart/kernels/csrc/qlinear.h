@@ -1,6 +1,9 @@
 // Weight-only quantized linears for CPUs without AMX: y[m, n] = sum_k x[m, k] * w[n, k], with w stored as
 //   int4: uint8 [N, K/2], element 2i in the low nibble of byte i, w = q * scale[n, g] + min[n, g], groups of 32
 //   int8: int8 [N, K], w = q * scale[n, g] (g = k / 32; a per-row scale is passed expanded to [N, K/32])
+// Scales and mins are float16, as GGUF's Q4_0/Q4_1/Q8_0 blocks store them (exact for those): 20 bytes per 32 int4
+// weights and 34 per 32 int8 ones, the GGUF file's own size, instead of 24 and 36 with float32. At one row the
+// kernel streams the weights at the read bandwidth, so the bytes are the time.
 // Activations are quantized to int8 per row and block of 32 (scale max|x|/127, as llama.cpp's Q8 does), so each
 // block's dot product is 32 unsigned-by-signed byte products summed by _mm256_maddubs_epi16: a few instructions
 // per 32 weights, where converting weights to float would take ~20. Accumulation in int32 per block, then fp32.
@@ -30,6 +33,14 @@
 namespace ws::qlinear {
 
 constexpr int64_t G = 32;
+
+inline float h2f(half_t h) {
+#if WS_AVX2
+  return _cvtsh_ss(h);
+#else
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+#endif
+}
 
 // x [M, K] fp32 -> per (row, block) int8 codes, their scale, and (for the int4 min term) the sum of codes.
 // For int4 each block's codes are stored deinterleaved, [x0, x2, ..., x30, x1, x3, ..., x31], to match the
@@ -70,6 +81,18 @@ inline float dot_f32(const float* a, const float* b, int64_t n) {
   return s;
 }
 
+// sum_i h[i] * b[i]: float16 a (the int4 mins), float32 b
+inline float dot_h32(const half_t* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + i))),
+                          _mm256_loadu_ps(b + i), acc);
+  float s = hsum(acc);
+  for (; i < n; ++i) s += h2f(a[i]) * b[i];
+  return s;
+}
+
 // One int4 block (32 weights) against R quantized activation rows, into acc[r].
 template <int R>
 inline void int4_block(const uint8_t* w, float scale, const int8_t* qx, const float* dx, int64_t b, int64_t nb,
@@ -103,18 +126,18 @@ inline void int8_block(const int8_t* w, float scale, const int8_t* qx, const flo
 // batches). Blocks alternate between two sets of accumulators so consecutive FMAs do not wait on each other, and
 // the int4 min term, sum_b min[b] * sum(x in block b), is one vector dot product after the loop.
 template <int R>
-void dot_int4(const uint8_t* w, const float* sc, const float* mn, const int8_t* qx, const float* dx,
+void dot_int4(const uint8_t* w, const half_t* sc, const half_t* mn, const int8_t* qx, const float* dx,
               const float* sx, int64_t nb, int64_t K, float* out) {
 #if WS_AVX2
   __m256 a0[R], a1[R];
   for (int r = 0; r < R; ++r) a0[r] = _mm256_setzero_ps(), a1[r] = _mm256_setzero_ps();
   int64_t b = 0;
   for (; b + 2 <= nb; b += 2) {
-    int4_block<R>(w, sc[b], qx, dx, b, nb, K, a0);
-    int4_block<R>(w, sc[b + 1], qx, dx, b + 1, nb, K, a1);
+    int4_block<R>(w, h2f(sc[b]), qx, dx, b, nb, K, a0);
+    int4_block<R>(w, h2f(sc[b + 1]), qx, dx, b + 1, nb, K, a1);
   }
-  if (b < nb) int4_block<R>(w, sc[b], qx, dx, b, nb, K, a0);
-  for (int r = 0; r < R; ++r) out[r] = hsum(_mm256_add_ps(a0[r], a1[r])) + dot_f32(mn, sx + r * nb, nb);
+  if (b < nb) int4_block<R>(w, h2f(sc[b]), qx, dx, b, nb, K, a0);
+  for (int r = 0; r < R; ++r) out[r] = hsum(_mm256_add_ps(a0[r], a1[r])) + dot_h32(mn, sx + r * nb, nb);
 #else
   for (int r = 0; r < R; ++r) {
     float total = 0.f;
@@ -124,7 +147,7 @@ void dot_int4(const uint8_t* w, const float* sc, const float* mn, const int8_t* 
         s += (w[b * 16 + j] & 0x0F) * qx[r * K + b * G + j];
         s += (w[b * 16 + j] >> 4) * qx[r * K + b * G + 16 + j];
       }
-      total += sc[b] * dx[r * nb + b] * static_cast<float>(s) + mn[b] * sx[r * nb + b];
+      total += h2f(sc[b]) * dx[r * nb + b] * static_cast<float>(s) + h2f(mn[b]) * sx[r * nb + b];
     }
     out[r] = total;
   }
@@ -132,17 +155,17 @@ void dot_int4(const uint8_t* w, const float* sc, const float* mn, const int8_t* 
 }
 
 template <int R>
-void dot_int8(const int8_t* w, const float* sc, const int8_t* qx, const float* dx, int64_t nb, int64_t K,
+void dot_int8(const int8_t* w, const half_t* sc, const int8_t* qx, const float* dx, int64_t nb, int64_t K,
               float* out) {
 #if WS_AVX2
   __m256 a0[R], a1[R];
   for (int r = 0; r < R; ++r) a0[r] = _mm256_setzero_ps(), a1[r] = _mm256_setzero_ps();
   int64_t b = 0;
   for (; b + 2 <= nb; b += 2) {
-    int8_block<R>(w, sc[b], qx, dx, b, nb, K, a0);
-    int8_block<R>(w, sc[b + 1], qx, dx, b + 1, nb, K, a1);
+    int8_block<R>(w, h2f(sc[b]), qx, dx, b, nb, K, a0);
+    int8_block<R>(w, h2f(sc[b + 1]), qx, dx, b + 1, nb, K, a1);
   }
-  if (b < nb) int8_block<R>(w, sc[b], qx, dx, b, nb, K, a0);
+  if (b < nb) int8_block<R>(w, h2f(sc[b]), qx, dx, b, nb, K, a0);
   for (int r = 0; r < R; ++r) out[r] = hsum(_mm256_add_ps(a0[r], a1[r]));
 #else
   for (int r = 0; r < R; ++r) {
@@ -150,7 +173,7 @@ void dot_int8(const int8_t* w, const float* sc, const int8_t* qx, const float* d
     for (int64_t b = 0; b < nb; ++b) {
       int s = 0;
       for (int j = 0; j < G; ++j) s += w[b * G + j] * qx[r * K + b * G + j];
-      total += sc[b] * dx[r * nb + b] * static_cast<float>(s);
+      total += h2f(sc[b]) * dx[r * nb + b] * static_cast<float>(s);
     }
     out[r] = total;
   }
@@ -160,8 +183,8 @@ void dot_int8(const int8_t* w, const float* sc, const int8_t* qx, const float* d
 #if WS_AVX2
 // One activation row (a decode step of one sequence) against two int4 weight rows: four independent FMA chains and
 // one activation load per block for both rows. out_a = dot(w_a, x), out_b = dot(w_b, x).
-void dot_int4_pair(const uint8_t* wa, const uint8_t* wb, const float* sca, const float* scb, const float* mna,
-                   const float* mnb, const int8_t* qx, const float* dx, const float* sx, int64_t nb, float* out_a,
+void dot_int4_pair(const uint8_t* wa, const uint8_t* wb, const half_t* sca, const half_t* scb, const half_t* mna,
+                   const half_t* mnb, const int8_t* qx, const float* dx, const float* sx, int64_t nb, float* out_a,
                    float* out_b) {
   const __m128i low = _mm_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
@@ -174,8 +197,8 @@ void dot_int4_pair(const uint8_t* wa, const uint8_t* wb, const float* sca, const
     const __m256i qb = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bb, 4), low), _mm_and_si128(bb, low));
     const __m256 pa = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(qa, xv), ones));
     const __m256 pb = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(qb, xv), ones));
-    acc_a = _mm256_fmadd_ps(pa, _mm256_set1_ps(sca[b] * dx[b]), acc_a);
-    acc_b = _mm256_fmadd_ps(pb, _mm256_set1_ps(scb[b] * dx[b]), acc_b);
+    acc_a = _mm256_fmadd_ps(pa, _mm256_set1_ps(h2f(sca[b]) * dx[b]), acc_a);
+    acc_b = _mm256_fmadd_ps(pb, _mm256_set1_ps(h2f(scb[b]) * dx[b]), acc_b);
   };
   int64_t b = 0;
   for (; b + 2 <= nb; b += 2) {
@@ -183,13 +206,13 @@ void dot_int4_pair(const uint8_t* wa, const uint8_t* wb, const float* sca, const
     step(b + 1, a1, b1);
   }
   if (b < nb) step(b, a0, b0);
-  *out_a = hsum(_mm256_add_ps(a0, a1)) + dot_f32(mna, sx, nb);
-  *out_b = hsum(_mm256_add_ps(b0, b1)) + dot_f32(mnb, sx, nb);
+  *out_a = hsum(_mm256_add_ps(a0, a1)) + dot_h32(mna, sx, nb);
+  *out_b = hsum(_mm256_add_ps(b0, b1)) + dot_h32(mnb, sx, nb);
 }
 #endif
 
 template <int R>
-void rows_block(bool int4, const uint8_t* w4, const int8_t* w8, const float* sc, const float* mn, const int8_t* qx,
+void rows_block(bool int4, const uint8_t* w4, const int8_t* w8, const half_t* sc, const half_t* mn, const int8_t* qx,
                 const float* dx, const float* sx, int64_t n, int64_t m0, int64_t N, int64_t K, int64_t nb,
                 float* out) {
   float tmp[R];
@@ -201,13 +224,13 @@ void rows_block(bool int4, const uint8_t* w4, const int8_t* w8, const float* sc,
 }
 
 // Rows [n0, n1) of the weight as float32 into dst [N, K]: w = q * scale (+ min for int4).
-void dequantize_rows(bool int4, const uint8_t* w4, const int8_t* w8, const float* sc, const float* mn, int64_t n0,
+void dequantize_rows(bool int4, const uint8_t* w4, const int8_t* w8, const half_t* sc, const half_t* mn, int64_t n0,
                      int64_t n1, int64_t K, float* dst) {
   const int64_t nb = K / G;
   for (int64_t n = n0; n < n1; ++n) {
     float* row = dst + n * K;
     for (int64_t b = 0; b < nb; ++b) {
-      const float s = sc[n * nb + b], m = int4 ? mn[n * nb + b] : 0.f;
+      const float s = h2f(sc[n * nb + b]), m = int4 ? h2f(mn[n * nb + b]) : 0.f;
       float* o = row + b * G;
 #if WS_AVX2
       const __m256 vs = _mm256_set1_ps(s), vm = _mm256_set1_ps(m);
@@ -249,8 +272,8 @@ void dequantize_rows(bool int4, const uint8_t* w4, const int8_t* w8, const float
 // below, so their buffers are part of the process size the memory plan reconciles.
 constexpr int64_t kDenseTile = int64_t(1) << 21;
 
-torch::Tensor dense_qlinear(const torch::Tensor& xf, bool int4, const uint8_t* w4, const int8_t* w8, const float* sc,
-                            const float* mn, int64_t N, int64_t K) {
+torch::Tensor dense_qlinear(const torch::Tensor& xf, bool int4, const uint8_t* w4, const int8_t* w8, const half_t* sc,
+                            const half_t* mn, int64_t N, int64_t K) {
   const int64_t rows = std::max<int64_t>(64, (kDenseTile / K) / 64 * 64);
   thread_local std::vector<float> buf;
   const int64_t need = std::min(N, rows) * K;
@@ -303,8 +326,8 @@ inline void dot_rows(const float* x, int64_t K, const float* w, int64_t n, float
 }
 #endif
 
-torch::Tensor panel_qlinear(const torch::Tensor& xf, bool int4, const uint8_t* w4, const int8_t* w8, const float* sc,
-                            const float* mn, int64_t N, int64_t K) {
+torch::Tensor panel_qlinear(const torch::Tensor& xf, bool int4, const uint8_t* w4, const int8_t* w8, const half_t* sc,
+                            const half_t* mn, int64_t N, int64_t K) {
   const int64_t M = xf.size(0);
   auto y = torch::empty({M, N}, xf.options());
   const float* x = xf.data_ptr<float>();
@@ -315,6 +338,12 @@ torch::Tensor panel_qlinear(const torch::Tensor& xf, bool int4, const uint8_t* w
     for (int64_t p = pb; p < pe; ++p) {
       const int64_t n0 = p * kPanel, n1 = std::min(N, n0 + kPanel);
       dequantize_rows(int4, w4, w8, sc, mn, n0, n1, K, buf.data() - n0 * K);
+#if WS_VNNI512
+      if (isa_level() >= 2) {
+        vnni::panel_dots(x, M, K, buf.data(), n1 - n0, yp + n0, N);
+        continue;
+      }
+#endif
 #if WS_AVX2
       int64_t m = 0;
       for (; m + 4 <= M; m += 4) dot_rows<4>(x + m * K, K, buf.data(), n1 - n0, yp + m * N + n0, N);
@@ -340,40 +369,35 @@ torch::Tensor panel_qlinear(const torch::Tensor& xf, bool int4, const uint8_t* w
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, c10::optional<torch::Tensor> mins,
                       int64_t dense_min_rows, int64_t panel_min_rows = 0) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "x must be a 2-D CPU tensor");
-  TORCH_CHECK(qweight.is_contiguous() && scales.is_contiguous() && scales.scalar_type() == torch::kFloat,
-              "qweight and float32 scales must be contiguous");
+  TORCH_CHECK(qweight.is_contiguous() && scales.is_contiguous() && scales.scalar_type() == torch::kHalf,
+              "qweight and float16 scales must be contiguous");
   const bool int4 = mins.has_value();
   const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0), nb = K / G;
   TORCH_CHECK(K % G == 0, "K must be a multiple of 32");
   TORCH_CHECK(qweight.size(1) == (int4 ? K / 2 : K), "qweight does not match K");
   TORCH_CHECK(scales.size(0) == N && scales.size(1) == nb, "scales must be [N, K/32]");
-  if (int4) TORCH_CHECK(mins->is_contiguous() && mins->sizes() == scales.sizes(), "mins must match scales");
+  if (int4)
+    TORCH_CHECK(mins->is_contiguous() && mins->sizes() == scales.sizes() && mins->scalar_type() == torch::kHalf,
+                "mins must be float16 and match scales");
   auto xf = x.to(torch::kFloat).contiguous();
+  const half_t* sc = reinterpret_cast<const half_t*>(scales.data_ptr<at::Half>());
+  const half_t* mn = int4 ? reinterpret_cast<const half_t*>(mins->data_ptr<at::Half>()) : nullptr;
+  const uint8_t* w4 = int4 ? qweight.data_ptr<uint8_t>() : nullptr;
+  const int8_t* w8 = int4 ? nullptr : qweight.data_ptr<int8_t>();
   if (panel_min_rows > 0 && M >= panel_min_rows && (dense_min_rows <= 0 || M < dense_min_rows))
-    return panel_qlinear(xf, int4, int4 ? qweight.data_ptr<uint8_t>() : nullptr,
-                         int4 ? nullptr : qweight.data_ptr<int8_t>(), scales.data_ptr<float>(),
-                         int4 ? mins->data_ptr<float>() : nullptr, N, K);
-  if (dense_min_rows > 0 && M >= dense_min_rows)
-    return dense_qlinear(xf, int4, int4 ? qweight.data_ptr<uint8_t>() : nullptr,
-                         int4 ? nullptr : qweight.data_ptr<int8_t>(), scales.data_ptr<float>(),
-                         int4 ? mins->data_ptr<float>() : nullptr, N, K);
+    return panel_qlinear(xf, int4, w4, w8, sc, mn, N, K);
+  if (dense_min_rows > 0 && M >= dense_min_rows) return dense_qlinear(xf, int4, w4, w8, sc, mn, N, K);
   auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat));
+  float* out = y.data_ptr<float>();
 #if WS_VNNI512
   if (isa_level() >= 2) {
-    vnni::qlinear_int8_act(xf.data_ptr<float>(), M, K, N, int4, int4 ? qweight.data_ptr<uint8_t>() : nullptr,
-                           int4 ? nullptr : qweight.data_ptr<int8_t>(), scales.data_ptr<float>(),
-                           int4 ? mins->data_ptr<float>() : nullptr, y.data_ptr<float>());
+    vnni::qlinear_int8_act(xf.data_ptr<float>(), M, K, N, int4, w4, w8, sc, mn, out);
     return y;
   }
 #endif
   std::vector<int8_t> qx(M * K);
   std::vector<float> dx(M * nb), sx(M * nb);
   quantize_rows(xf.data_ptr<float>(), M, K, int4, qx.data(), dx.data(), sx.data());
-  float* out = y.data_ptr<float>();
-  const float* sc = scales.data_ptr<float>();
-  const float* mn = int4 ? mins->data_ptr<float>() : nullptr;
-  const uint8_t* w4 = int4 ? qweight.data_ptr<uint8_t>() : nullptr;
-  const int8_t* w8 = int4 ? nullptr : qweight.data_ptr<int8_t>();
   ws::pool::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     int64_t n = begin;
 #if WS_AVX2

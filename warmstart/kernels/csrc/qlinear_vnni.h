@@ -1,5 +1,6 @@
 // The int8-activation route of qlinear.h (decode steps of a few rows) on CPUs with AVX-512 VNNI: the same integer
-// dot products, 64 weights per instruction. The extension is built for x86-64-v3 (AVX2), so this code is compiled
+// dot products, 64 weights per instruction; and the float32 panel route's multiply (decode batches) on 16 lanes.
+// The extension is built for x86-64-v3 (AVX2), so this code is compiled
 // for AVX-512 by a target pragma and runs only where the CPU has it, chosen at run time (isa() below).
 //
 // Why: on AVX2 a block of 32 int4 weights costs ~12 instructions (unpack, vpmaddubsw, vpmaddwd, convert, scale,
@@ -34,6 +35,8 @@
 #endif
 
 namespace ws::qlinear {
+
+using half_t = uint16_t;  // float16 bits (at::Half's storage): the weights' scales and mins
 
 // Which integer kernels run: 2 = AVX-512 VNNI, 1 = AVX2 (0: a build without AVX2). The CPU's best by default;
 // WARMSTART_KERNEL_ISA=avx2 (or set_isa) holds it lower, for A/B runs and for the tests of both. One value per
@@ -137,21 +140,30 @@ inline __m512 spread(const float* s, bool both, __m512i idx) {
   return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(v));
 }
 
-// sum_b a[b] * b[b] over n floats
-inline float dot(const float* a, const float* b, int64_t n) {
+// The same from two float16 weight scales (GGUF's own).
+inline __m512 spread(const half_t* s, bool both, __m512i idx) {
+  int32_t bits = s[0];
+  if (both) std::memcpy(&bits, s, 4);
+  return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(bits))));
+}
+
+// sum_b a[b] * b[b] over n: float16 a (the int4 mins), float32 b
+inline float dot(const half_t* a, const float* b, int64_t n) {
   __m512 acc = _mm512_setzero_ps();
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  for (; i + 16 <= n; i += 16)
+    acc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + i))),
+                          _mm512_loadu_ps(b + i), acc);
   if (i < n) {
     const __mmask16 k = static_cast<__mmask16>((1u << (n - i)) - 1);
-    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, a + i), _mm512_maskz_loadu_ps(k, b + i), acc);
+    acc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, a + i)), _mm512_maskz_loadu_ps(k, b + i), acc);
   }
   return _mm512_reduce_add_ps(acc);
 }
 
 // R activation rows x C consecutive weight rows (starting at row n) into out[r * N + n + c].
 template <int R, int C>
-inline void int4_tile(const uint8_t* w, const float* sc, const float* mn, int64_t n, int64_t K, int64_t N,
+inline void int4_tile(const uint8_t* w, const half_t* sc, const half_t* mn, int64_t n, int64_t K, int64_t N,
                       const uint8_t* q, const float* dx, const float* sx, float* out) {
   const int64_t nb = K / 32, np = (nb + 1) / 2, full = nb / 2;
   const __m512i shifts = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0), low = _mm512_set1_epi8(0x0F);
@@ -185,7 +197,7 @@ inline void int4_tile(const uint8_t* w, const float* sc, const float* mn, int64_
 }
 
 template <int R, int C>
-inline void int8_tile(const int8_t* w, const float* sc, int64_t n, int64_t K, int64_t N, const uint8_t* q,
+inline void int8_tile(const int8_t* w, const half_t* sc, int64_t n, int64_t K, int64_t N, const uint8_t* q,
                       const float* dx, float* out) {
   const int64_t nb = K / 32, np = (nb + 1) / 2, full = nb / 2;
   const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
@@ -222,7 +234,7 @@ inline void int8_tile(const int8_t* w, const float* sc, int64_t n, int64_t K, in
 // rows ahead, 2-6 KiB, and C = 1, 2 or 4 at one row measured alike on the 2-core Xeon, within its noise: the
 // weight stream runs near the read bandwidth either way.)
 template <int R, int C>
-inline void rows(bool int4, const uint8_t* w4, const int8_t* w8, const float* sc, const float* mn, int64_t begin,
+inline void rows(bool int4, const uint8_t* w4, const int8_t* w8, const half_t* sc, const half_t* mn, int64_t begin,
                  int64_t end, int64_t K, int64_t N, const uint8_t* q, const float* dx, const float* sx, float* out) {
   int64_t n = begin;
   if (int4) {
@@ -236,8 +248,8 @@ inline void rows(bool int4, const uint8_t* w4, const int8_t* w8, const float* sc
 
 // y [M, N] = x [M, K] times the weight, activations quantized to int8 per block of 32.
 __attribute__((noinline)) inline void qlinear_int8_act(const float* x, int64_t M, int64_t K, int64_t N, bool int4,
-                                                       const uint8_t* w4, const int8_t* w8, const float* sc,
-                                                       const float* mn, float* out) {
+                                                       const uint8_t* w4, const int8_t* w8, const half_t* sc,
+                                                       const half_t* mn, float* out) {
   const int64_t nb = K / 32, np = (nb + 1) / 2;
   thread_local std::vector<uint8_t> qbuf;
   thread_local std::vector<float> dbuf, sbuf;
@@ -265,6 +277,48 @@ __attribute__((noinline)) inline void qlinear_int8_act(const float* x, int64_t M
       default: break;
     }
   });
+}
+
+// ---- the panel route (decode batches, 8-255 rows): float32 x float32 on 16 lanes --------------------------------
+// qlinear.h's panel_qlinear expands 48 weight rows to float32 in L2; this multiplies them by R activation rows, C
+// weight rows at a time: 4 x 6 = 24 accumulators of the 32 zmm registers, 10 loads per 24 FMAs (the AVX2 kernel:
+// 4 x 3 on 8 lanes). Exact float32 like it; the sums run in another order (16 lanes).
+template <int R, int C>
+inline void dot_block(const float* x, int64_t K, const float* w, float* y, int64_t ldy) {
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {  // K is a multiple of 32
+    __m512 wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_ps(w + c * K + k);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_loadu_ps(x + r * K + k);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) y[r * ldy + c] = _mm512_reduce_add_ps(acc[r][c]);
+}
+
+template <int R>
+inline void dot_rows(const float* x, int64_t K, const float* w, int64_t n, float* y, int64_t ldy) {
+  int64_t c = 0;
+  for (; c + 6 <= n; c += 6) dot_block<R, 6>(x, K, w + c * K, y + c, ldy);
+  for (; c + 3 <= n; c += 3) dot_block<R, 3>(x, K, w + c * K, y + c, ldy);
+  for (; c < n; ++c) dot_block<R, 1>(x, K, w + c * K, y + c, ldy);
+}
+
+// y[m, 0 .. n) (row stride ldy) = x [M, K] times the n float32 weight rows in w.
+__attribute__((noinline)) inline void panel_dots(const float* x, int64_t M, int64_t K, const float* w, int64_t n,
+                                                 float* y, int64_t ldy) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) dot_rows<4>(x + m * K, K, w, n, y + m * ldy, ldy);
+  switch (M - m) {
+    case 3: dot_rows<3>(x + m * K, K, w, n, y + m * ldy, ldy); break;
+    case 2: dot_rows<2>(x + m * K, K, w, n, y + m * ldy, ldy); break;
+    case 1: dot_rows<1>(x + m * K, K, w, n, y + m * ldy, ldy); break;
+    default: break;
+  }
 }
 
 }  // namespace vnni
