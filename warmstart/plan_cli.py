@@ -126,7 +126,7 @@ def _daemon_charge(config, model_dir, device, facts) -> tuple[int, str | None]:
         return 0, None
     import os
 
-    from warmstart.boot import quantized_load, resolve_dtype
+    from warmstart.dtypes import quantized_load, resolve_dtype
     from warmstart.weights import client
     from warmstart.weights.manifest import build_cache_key
     from warmstart.weights.transport import device_id

@@ -124,26 +124,26 @@ def test_quantized_linears_on_the_native_kernels_take_float32(tmp_path, monkeypa
     activations. Without those kernels (torch's int8/int4 mm) the probe decides, as for float weights."""
     import torch
     from safetensors.torch import save_file
-    from warmstart import boot
+    from warmstart import dtypes
     from warmstart.models import quant
     from warmstart.startup.device import DeviceFacts
     monkeypatch.setattr(dtype_probe, "choose_cpu_dtype",
                         lambda *a, **k: dtype_probe.DtypeChoice("bfloat16", "stub: the probe's verdict"))
     facts = DeviceFacts(kind="cpu", name="cpu", total_bytes=2**34, capability="avx512f,avx512_bf16")
     monkeypatch.setattr(quant, "native_kernel", lambda: True)
-    assert boot.resolve_dtype("auto", facts, cache_dir=tmp_path, quantized=True) is torch.float32
-    assert boot.resolve_dtype("auto", facts, cache_dir=tmp_path, quantized=False) is torch.bfloat16
-    assert boot.resolve_dtype("bfloat16", facts, cache_dir=tmp_path, quantized=True) is torch.bfloat16
+    assert dtypes.resolve_dtype("auto", facts, cache_dir=tmp_path, quantized=True) is torch.float32
+    assert dtypes.resolve_dtype("auto", facts, cache_dir=tmp_path, quantized=False) is torch.bfloat16
+    assert dtypes.resolve_dtype("bfloat16", facts, cache_dir=tmp_path, quantized=True) is torch.bfloat16
     monkeypatch.setattr(quant, "native_kernel", lambda: False)
-    assert boot.resolve_dtype("auto", facts, cache_dir=tmp_path, quantized=True) is torch.bfloat16
+    assert dtypes.resolve_dtype("auto", facts, cache_dir=tmp_path, quantized=True) is torch.bfloat16
     # which loads keep quantized linears: read from the checkpoint's tensor names
     floats, gguf = tmp_path / "float", tmp_path / "gguf"
     floats.mkdir(), gguf.mkdir()
     save_file({"model.layers.0.mlp.up_proj.weight": torch.zeros(4, 4)}, str(floats / "model.safetensors"))
     save_file({"model.layers.0.mlp.up_proj.qweight": torch.zeros(4, 4, dtype=torch.int8)},
               str(gguf / "model.safetensors"))
-    assert not boot.quantized_load("auto", floats) and boot.quantized_load("auto", gguf)
-    assert boot.quantized_load("int4", floats) and not boot.quantized_load("none", gguf)
+    assert not dtypes.quantized_load("auto", floats) and dtypes.quantized_load("auto", gguf)
+    assert dtypes.quantized_load("int4", floats) and not dtypes.quantized_load("none", gguf)
 
 
 def test_avx512_bf16_is_measured_once_and_cached(tmp_path, monkeypatch):

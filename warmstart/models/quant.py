@@ -3,7 +3,8 @@
 Two kernels. Where warmstart's compiled kernel loads (kernels/csrc/qlinear.h: x86-64-v3 and up), it runs on the
 canonical codes as they are stored (no repacking at load; scales and mins in float16, as GGUF stores them) with
 activations quantized to int8 per block of 32, as llama.cpp does: on AVX2 hosts torch's int4 kernel is
-compute-bound at M=1 and no faster than float32 (benchmarks/decode.py). Elsewhere, torch's own kernels on bfloat16 activations, below.
+compute-bound at M=1 and no faster than float32 (benchmarks/decode.py). Elsewhere, torch's own kernels on
+bfloat16 activations, below.
 
 Two formats, both produced either from a GGUF file's blocks (weights/gguf.py) or by round-to-nearest at load
 (`--quantization int8|int4` on a float checkpoint):

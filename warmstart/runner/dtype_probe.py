@@ -9,7 +9,7 @@ Rules, cheapest first:
   used to mean bfloat16 without a measurement; on the 2-core AMX Xeon that was wrong: batch-1 linears fp32 163 us
   vs bf16 219-264 us (oneDNN's AMX tiles pay off at many rows, not at one), and the served default decoded at
   54-59 tok/s instead of 111-121.
-(Quantized linears on warmstart's integer kernels take float32 regardless: boot.resolve_dtype.)
+(Quantized linears on warmstart's integer kernels take float32 regardless: dtypes.resolve_dtype.)
 The decision is cached per (CPU model, ISA flags, torch version) under <cache>/probes/, so a restart never
 measures again and two boots of one machine always agree (the plan key records the requested dtype)."""
 from __future__ import annotations

@@ -20,7 +20,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     # The CLI is a composition root: it resolves the model and dtype with the boot's own functions, so that a
     # daemon started with the same flags as an engine computes the same cache key.
-    from warmstart.boot import quantized_load, resolve_dtype, resolve_model_dir
+    from warmstart.boot import resolve_model_dir
+    from warmstart.dtypes import quantized_load, resolve_dtype
     from warmstart.paths import warmstart_cache_dir
     from warmstart.startup.device import get_device
     from warmstart.weights.daemon import WeightDaemon
