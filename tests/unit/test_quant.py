@@ -208,6 +208,23 @@ def test_vnni_route_equals_the_avx2_route(vnni, kind, n, k):
         assert (b - ref).abs().max() <= REL_TOL * ref.abs().max()
 
 
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("n,k", [(13, 96), (9, 576), (6, 1056)])
+def test_vnni_one_row_kernel_equals_the_tiles_bit_for_bit(vnni, kind, n, k):
+    """A decode step at batch 1 takes its own kernel (each weight row's scales multiplied by the activation's 16
+    blocks at a time, then permuted per pair): the same products in the same order as the multi-row tiles, so row 0
+    of a 1-row call equals row 0 of a 2-row call exactly. k = 1056 (33 blocks) crosses two 16-block chunks and ends
+    on a half-empty pair; n = 13 and 9 leave single-row remainders."""
+    torch.manual_seed(n * k)
+    ready = quant.prepare(quant.quantize_int4(torch.randn(n, k)) if kind == "int4"
+                          else quant.quantize_int8(torch.randn(n, k)))
+    x = torch.randn(2, k)
+    assert vnni.set_qlinear_isa("avx512-vnni") == "avx512-vnni"
+    one = vnni.qlinear(x[:1], ready["qweight"], ready["scales"], ready.get("mins"))
+    two = vnni.qlinear(x, ready["qweight"], ready["scales"], ready.get("mins"))
+    assert torch.equal(one[0], two[0])
+
+
 def test_kernel_isa_is_held_by_the_environment():
     """WARMSTART_KERNEL_ISA=avx2 holds a fresh process at AVX2 whatever the CPU has."""
     import subprocess

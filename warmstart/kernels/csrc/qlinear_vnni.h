@@ -161,11 +161,43 @@ inline float dot(const half_t* a, const float* b, int64_t n) {
   return _mm512_reduce_add_ps(acc);
 }
 
+// Software prefetch. At one row the kernel runs at ~22 GB/s per core on weights in cache but only ~7.5 from
+// DRAM, where a plain read streams 12: the hardware prefetcher alone leaves the loads' latency exposed, so compute
+// and memory took turns. Each tile prefetches its own rows' bytes this far ahead (the rows that follow, which this
+// thread or its neighbour reads next). 1.5-3 KiB measured alike on the 2-core Xeon (a step's 121 matmuls over
+// 96 MB: 7.1-7.6 ms without, 4.6-5.2 ms with); WARMSTART_QLINEAR_PREFETCH=0 turns it off (bytes), for A/B runs.
+inline int64_t prefetch_distance() {
+  static const int64_t d = [] {
+    const char* e = std::getenv("WARMSTART_QLINEAR_PREFETCH");
+    return e && *e ? std::max<long long>(0, std::atoll(e)) : 2048LL;
+  }();
+  return d;
+}
+
+// Prefetches [p, p + bytes) shifted by dist, a line at a time.
+inline void prefetch_ahead(const void* p, int64_t bytes, int64_t dist) {
+  if (dist <= 0) return;
+  const char* c = static_cast<const char*>(p) + dist;
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T0);
+}
+
+// A tile's rows n..n+C-1: the weight codes `dist` ahead, their float16 scales (and mins) as far in rows.
+inline void prefetch_tile(bool int4, const void* w, const half_t* sc, const half_t* mn, int64_t n, int64_t C,
+                          int64_t K) {
+  const int64_t dist = prefetch_distance(), nb = K / 32, row = int4 ? K / 2 : K;
+  if (dist <= 0) return;
+  prefetch_ahead(static_cast<const uint8_t*>(w) + n * row, C * row, dist);
+  const int64_t sdist = dist / row * nb * 2;  // the same number of rows ahead
+  prefetch_ahead(sc + n * nb, C * nb * 2, sdist);
+  if (mn) prefetch_ahead(mn + n * nb, C * nb * 2, sdist);
+}
+
 // R activation rows x C consecutive weight rows (starting at row n) into out[r * N + n + c].
 template <int R, int C>
 inline void int4_tile(const uint8_t* w, const half_t* sc, const half_t* mn, int64_t n, int64_t K, int64_t N,
                       const uint8_t* q, const float* dx, const float* sx, float* out) {
   const int64_t nb = K / 32, np = (nb + 1) / 2, full = nb / 2;
+  prefetch_tile(true, w, sc, mn, n, C, K);
   const __m512i shifts = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0), low = _mm512_set1_epi8(0x0F);
   const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
   __m512 acc[R][C];
@@ -200,6 +232,7 @@ template <int R, int C>
 inline void int8_tile(const int8_t* w, const half_t* sc, int64_t n, int64_t K, int64_t N, const uint8_t* q,
                       const float* dx, float* out) {
   const int64_t nb = K / 32, np = (nb + 1) / 2, full = nb / 2;
+  prefetch_tile(false, w, sc, nullptr, n, C, K);
   const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
   const __m512i c128 = _mm512_set1_epi8(static_cast<char>(0x80));
   __m512 acc[R][C];
@@ -230,13 +263,93 @@ inline void int8_tile(const int8_t* w, const half_t* sc, int64_t n, int64_t K, i
     for (int c = 0; c < C; ++c) out[r * N + n + c] = _mm512_reduce_add_ps(acc[r][c]);
 }
 
-// R rows of activations against weight rows [begin, end): C rows at a time, then one. (Software prefetch of the
-// rows ahead, 2-6 KiB, and C = 1, 2 or 4 at one row measured alike on the 2-core Xeon, within its noise: the
-// weight stream runs near the read bandwidth either way.)
+// One activation row (a decode step at batch 1). The tiles above spread each pair's weight and activation scales
+// and multiply them, per weight row and per pair; here each weight row's scales are converted and multiplied by the
+// activation's 16 blocks at a time, and a pair takes its lanes from that product with one permute (3 fewer
+// instructions a pair; the matmuls of a step measured 1.04x, as the DRAM stream, above, bounds them). The products
+// are the same floats in the same order, so the outputs are bit-identical to int4_tile / int8_tile <1, C> (test).
+template <int C>
+inline void int4_row(const uint8_t* w, const half_t* sc, const half_t* mn, int64_t n, int64_t K, const uint8_t* q,
+                     const float* dx, const float* sx, float* out) {
+  const int64_t nb = K / 32, np = (nb + 1) / 2, full = nb / 2;
+  prefetch_tile(true, w, sc, mn, n, C, K);
+  const __m512i shifts = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0), low = _mm512_set1_epi8(0x0F);
+  const __m512i idx0 = _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0), two = _mm512_set1_epi32(2);
+  __m512 acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
+  for (int64_t b0 = 0; b0 < nb; b0 += 16) {  // 16 blocks: 8 pairs
+    const int64_t nblk = std::min<int64_t>(16, nb - b0);
+    const __mmask16 k = static_cast<__mmask16>(nblk == 16 ? 0xFFFF : (1u << nblk) - 1);
+    const __m512 d = _mm512_maskz_loadu_ps(k, dx + b0);
+    __m512 s[C];
+    for (int c = 0; c < C; ++c)
+      s[c] = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, sc + (n + c) * nb + b0)), d);
+    __m512i idx = idx0;
+    for (int64_t p = b0 / 2; p < std::min(np, (b0 + 16) / 2); ++p, idx = _mm512_add_epi32(idx, two)) {
+      const bool both = p < full;
+      const __m512i xv = _mm512_loadu_si512(q + p * 64);
+      for (int c = 0; c < C; ++c) {
+        const uint8_t* row = w + (n + c) * (K / 2) + p * 32;
+        const __m256i bytes = both ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row))
+                                   : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
+        const __m512i wv = _mm512_and_si512(_mm512_srlv_epi64(_mm512_broadcast_i64x4(bytes), shifts), low);
+        acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv)),
+                                 _mm512_permutexvar_ps(idx, s[c]), acc[c]);
+      }
+    }
+  }
+  for (int c = 0; c < C; ++c) out[n + c] = _mm512_reduce_add_ps(acc[c]) + dot(mn + (n + c) * nb, sx, nb);
+}
+
+template <int C>
+inline void int8_row(const int8_t* w, const half_t* sc, int64_t n, int64_t K, const uint8_t* q, const float* dx,
+                     float* out) {
+  const int64_t nb = K / 32, np = (nb + 1) / 2, full = nb / 2;
+  prefetch_tile(false, w, sc, nullptr, n, C, K);
+  const __m512i idx0 = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0), two = _mm512_set1_epi32(2);
+  const __m512i c128 = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
+  for (int64_t b0 = 0; b0 < nb; b0 += 16) {
+    const int64_t nblk = std::min<int64_t>(16, nb - b0);
+    const __mmask16 k = static_cast<__mmask16>(nblk == 16 ? 0xFFFF : (1u << nblk) - 1);
+    const __m512 d = _mm512_maskz_loadu_ps(k, dx + b0);
+    __m512 s[C];
+    for (int c = 0; c < C; ++c)
+      s[c] = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, sc + (n + c) * nb + b0)), d);
+    __m512i idx = idx0;
+    for (int64_t p = b0 / 2; p < std::min(np, (b0 + 16) / 2); ++p, idx = _mm512_add_epi32(idx, two)) {
+      const bool both = p < full;
+      const __m512i xv = _mm512_loadu_si512(q + p * 64);
+      for (int c = 0; c < C; ++c) {
+        const int8_t* row = w + (n + c) * K + p * 64;
+        const __m512i wv = both ? _mm512_loadu_si512(row)
+                                : _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)));
+        const __m512i corr =
+            _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), c128, wv));
+        acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(corr, xv, wv)),
+                                 _mm512_permutexvar_ps(idx, s[c]), acc[c]);
+      }
+    }
+  }
+  for (int c = 0; c < C; ++c) out[n + c] = _mm512_reduce_add_ps(acc[c]);
+}
+
+// R rows of activations against weight rows [begin, end): C rows at a time, then one.
 template <int R, int C>
 inline void rows(bool int4, const uint8_t* w4, const int8_t* w8, const half_t* sc, const half_t* mn, int64_t begin,
                  int64_t end, int64_t K, int64_t N, const uint8_t* q, const float* dx, const float* sx, float* out) {
   int64_t n = begin;
+  if constexpr (R == 1) {
+    if (int4) {
+      for (; n + C <= end; n += C) int4_row<C>(w4, sc, mn, n, K, q, dx, sx, out);
+      for (; n < end; ++n) int4_row<1>(w4, sc, mn, n, K, q, dx, sx, out);
+    } else {
+      for (; n + C <= end; n += C) int8_row<C>(w8, sc, n, K, q, dx, out);
+      for (; n < end; ++n) int8_row<1>(w8, sc, n, K, q, dx, out);
+    }
+    return;
+  }
   if (int4) {
     for (; n + C <= end; n += C) int4_tile<R, C>(w4, sc, mn, n, K, N, q, dx, sx, out);
     for (; n < end; ++n) int4_tile<R, 1>(w4, sc, mn, n, K, N, q, dx, sx, out);
