@@ -77,6 +77,39 @@ inline std::string set_isa(const std::string& name) {
   return isa();
 }
 
+// Software prefetch (both ISAs' int8-activation routes; outside the AVX-512 target region, as the AVX2 route calls
+// it). At one row the VNNI kernel runs at ~22 GB/s per core on weights in cache but only ~7.5 from
+// DRAM, where a plain read streams 12: the hardware prefetcher alone leaves the loads' latency exposed, so compute
+// and memory took turns. Each tile prefetches its own rows' bytes this far ahead (the rows that follow, which this
+// thread or its neighbour reads next). 1.5-3 KiB measured alike on the 2-core Xeon (a step's 121 matmuls over
+// 96 MB: 7.1-7.6 ms without, 4.6-5.2 ms with; the AVX2 route 8.8-8.9 -> 6.0-6.4); WARMSTART_QLINEAR_PREFETCH=0
+// turns it off (bytes), for A/B runs.
+inline int64_t prefetch_distance() {
+  static const int64_t d = [] {
+    const char* e = std::getenv("WARMSTART_QLINEAR_PREFETCH");
+    return e && *e ? std::max<long long>(0, std::atoll(e)) : 2048LL;
+  }();
+  return d;
+}
+
+// Prefetches [p, p + bytes) shifted by dist, a line at a time.
+inline void prefetch_ahead(const void* p, int64_t bytes, int64_t dist) {
+  if (dist <= 0) return;
+  const char* c = static_cast<const char*>(p) + dist;
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 3);
+}
+
+// A tile's rows n..n+C-1: the weight codes `dist` ahead, their float16 scales (and mins) as far in rows.
+inline void prefetch_tile(bool int4, const void* w, const half_t* sc, const half_t* mn, int64_t n, int64_t C,
+                          int64_t K) {
+  const int64_t dist = prefetch_distance(), nb = K / 32, row = int4 ? K / 2 : K;
+  if (dist <= 0) return;
+  prefetch_ahead(static_cast<const uint8_t*>(w) + n * row, C * row, dist);
+  const int64_t sdist = dist * nb * 2 / row;  // as many rows ahead (int4: dist / 8, int8: dist / 16)
+  prefetch_ahead(sc + n * nb, C * nb * 2, sdist);
+  if (mn) prefetch_ahead(mn + n * nb, C * nb * 2, sdist);
+}
+
 #if WS_VNNI512
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
@@ -159,37 +192,6 @@ inline float dot(const half_t* a, const float* b, int64_t n) {
     acc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, a + i)), _mm512_maskz_loadu_ps(k, b + i), acc);
   }
   return _mm512_reduce_add_ps(acc);
-}
-
-// Software prefetch. At one row the kernel runs at ~22 GB/s per core on weights in cache but only ~7.5 from
-// DRAM, where a plain read streams 12: the hardware prefetcher alone leaves the loads' latency exposed, so compute
-// and memory took turns. Each tile prefetches its own rows' bytes this far ahead (the rows that follow, which this
-// thread or its neighbour reads next). 1.5-3 KiB measured alike on the 2-core Xeon (a step's 121 matmuls over
-// 96 MB: 7.1-7.6 ms without, 4.6-5.2 ms with); WARMSTART_QLINEAR_PREFETCH=0 turns it off (bytes), for A/B runs.
-inline int64_t prefetch_distance() {
-  static const int64_t d = [] {
-    const char* e = std::getenv("WARMSTART_QLINEAR_PREFETCH");
-    return e && *e ? std::max<long long>(0, std::atoll(e)) : 2048LL;
-  }();
-  return d;
-}
-
-// Prefetches [p, p + bytes) shifted by dist, a line at a time.
-inline void prefetch_ahead(const void* p, int64_t bytes, int64_t dist) {
-  if (dist <= 0) return;
-  const char* c = static_cast<const char*>(p) + dist;
-  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T0);
-}
-
-// A tile's rows n..n+C-1: the weight codes `dist` ahead, their float16 scales (and mins) as far in rows.
-inline void prefetch_tile(bool int4, const void* w, const half_t* sc, const half_t* mn, int64_t n, int64_t C,
-                          int64_t K) {
-  const int64_t dist = prefetch_distance(), nb = K / 32, row = int4 ? K / 2 : K;
-  if (dist <= 0) return;
-  prefetch_ahead(static_cast<const uint8_t*>(w) + n * row, C * row, dist);
-  const int64_t sdist = dist / row * nb * 2;  // the same number of rows ahead
-  prefetch_ahead(sc + n * nb, C * nb * 2, sdist);
-  if (mn) prefetch_ahead(mn + n * nb, C * nb * 2, sdist);
 }
 
 // R activation rows x C consecutive weight rows (starting at row n) into out[r * N + n + c].
