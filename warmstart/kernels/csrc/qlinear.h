@@ -402,9 +402,11 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scal
     int64_t n = begin;
 #if WS_AVX2
     if (int4 && M == 1)
-      for (; n + 2 <= end; n += 2, prefetch_tile(true, w4, sc, mn, n, 2, K))
+      for (; n + 2 <= end; n += 2) {
+        prefetch_tile(true, w4, sc, mn, n, 2, K);
         dot_int4_pair(w4 + n * (K / 2), w4 + (n + 1) * (K / 2), sc + n * nb, sc + (n + 1) * nb, mn + n * nb,
                       mn + (n + 1) * nb, qx.data(), dx.data(), sx.data(), nb, out + n, out + n + 1);
+      }
 #endif
     for (; n < end; ++n) {
       prefetch_tile(int4, int4 ? static_cast<const void*>(w4) : w8, sc, mn, n, 1, K);
