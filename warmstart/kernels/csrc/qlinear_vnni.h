@@ -270,6 +270,16 @@ inline void int8_tile(const int8_t* w, const half_t* sc, int64_t n, int64_t K, i
 // activation's 16 blocks at a time, and a pair takes its lanes from that product with one permute (3 fewer
 // instructions a pair; the matmuls of a step measured 1.04x, as the DRAM stream, above, bounds them). The products
 // are the same floats in the same order, so the outputs are bit-identical to int4_tile / int8_tile <1, C> (test).
+// Weight rows n..n+C-1's scales of blocks [b0, b0 + 16) times the activation's (0 past the last block).
+template <int C>
+inline void chunk_scales(const half_t* sc, int64_t n, int64_t nb, int64_t b0, const float* dx, __m512 (&s)[C]) {
+  const int64_t nblk = std::min<int64_t>(16, nb - b0);
+  const __mmask16 k = static_cast<__mmask16>(nblk == 16 ? 0xFFFF : (1u << nblk) - 1);
+  const __m512 d = _mm512_maskz_loadu_ps(k, dx + b0);
+  for (int c = 0; c < C; ++c)
+    s[c] = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, sc + (n + c) * nb + b0)), d);
+}
+
 template <int C>
 inline void int4_row(const uint8_t* w, const half_t* sc, const half_t* mn, int64_t n, int64_t K, const uint8_t* q,
                      const float* dx, const float* sx, float* out) {
@@ -280,12 +290,8 @@ inline void int4_row(const uint8_t* w, const half_t* sc, const half_t* mn, int64
   __m512 acc[C];
   for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
   for (int64_t b0 = 0; b0 < nb; b0 += 16) {  // 16 blocks: 8 pairs
-    const int64_t nblk = std::min<int64_t>(16, nb - b0);
-    const __mmask16 k = static_cast<__mmask16>(nblk == 16 ? 0xFFFF : (1u << nblk) - 1);
-    const __m512 d = _mm512_maskz_loadu_ps(k, dx + b0);
     __m512 s[C];
-    for (int c = 0; c < C; ++c)
-      s[c] = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, sc + (n + c) * nb + b0)), d);
+    chunk_scales<C>(sc, n, nb, b0, dx, s);
     __m512i idx = idx0;
     for (int64_t p = b0 / 2; p < std::min(np, (b0 + 16) / 2); ++p, idx = _mm512_add_epi32(idx, two)) {
       const bool both = p < full;
@@ -313,12 +319,8 @@ inline void int8_row(const int8_t* w, const half_t* sc, int64_t n, int64_t K, co
   __m512 acc[C];
   for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
   for (int64_t b0 = 0; b0 < nb; b0 += 16) {
-    const int64_t nblk = std::min<int64_t>(16, nb - b0);
-    const __mmask16 k = static_cast<__mmask16>(nblk == 16 ? 0xFFFF : (1u << nblk) - 1);
-    const __m512 d = _mm512_maskz_loadu_ps(k, dx + b0);
     __m512 s[C];
-    for (int c = 0; c < C; ++c)
-      s[c] = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, sc + (n + c) * nb + b0)), d);
+    chunk_scales<C>(sc, n, nb, b0, dx, s);
     __m512i idx = idx0;
     for (int64_t p = b0 / 2; p < std::min(np, (b0 + 16) / 2); ++p, idx = _mm512_add_epi32(idx, two)) {
       const bool both = p < full;
