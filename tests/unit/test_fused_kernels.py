@@ -122,3 +122,33 @@ def test_half_precision_inputs_take_the_torch_path():
     assert torch.allclose(out.float(), _rms_ref(x.float(), w.float(), 1e-6), atol=3e-2, rtol=2e-2)
     y = torch.randn(4, 128, dtype=torch.bfloat16)
     assert torch.equal(kernels.silu_mul(y), F.silu(y[:, :64]) * y[:, 64:])
+
+
+@pytest.mark.parametrize("rows", (1, 5, 33))
+@pytest.mark.parametrize("vocab", (1, 7, 8, 49152, 49157))
+def test_argmax_is_torchs_index(rows, vocab):
+    g = torch.Generator().manual_seed(rows * 1000 + vocab)
+    x = torch.randn(rows, vocab, generator=g)
+    assert kernels.argmax(x) == x.argmax(dim=-1).tolist()
+    # a strided view (rows of a wider tensor), as the runner passes a slice of the logits
+    wide = torch.randn(rows, vocab + 3, generator=g)[:, :vocab]
+    assert kernels.argmax(wide) == wide.argmax(dim=-1).tolist()
+
+
+def test_argmax_ties_nans_and_infinities_follow_torch():
+    v = 49155                                                      # 3 past a multiple of 8: a scalar tail
+    x = torch.full((7, v), -1.0)
+    x[0, 9000] = x[0, 100] = x[0, 40000] = 5.0                     # a tie: the first maximum
+    x[1, 30000] = float("nan"); x[1, 20000] = float("nan")        # NaN counts as the maximum, the first one
+    x[1, 5] = float("inf")
+    x[2] = float("-inf")                                           # all -inf: index 0
+    x[3, v - 1] = 2.0                                              # the maximum in the scalar tail
+    x[4, 0] = -0.0; x[4, 1:] = -1.0; x[4, 3] = 0.0                 # -0.0 == 0.0: the first of them
+    x[5, v - 2] = float("nan")                                     # a NaN in the tail only
+    x[6, 3] = float("inf")
+    assert kernels.argmax(x) == x.argmax(dim=-1).tolist() == [100, 20000, 0, v - 1, 0, v - 2, 3]
+
+
+def test_argmax_of_other_dtypes_takes_the_torch_path():
+    x = torch.randn(3, 100).to(torch.bfloat16)
+    assert kernels.argmax(x) == x.argmax(dim=-1).tolist()

@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["paged_attention", "paged_attention_torch", "has_native", "NATIVE_UNAVAILABLE_REASON", "qlinear",
            "has_qlinear", "QLINEAR_UNAVAILABLE_REASON", "qlinear_isa", "set_qlinear_isa", "add_rms_norm", "rotary_",
-           "write_kv", "silu_mul",
+           "write_kv", "silu_mul", "argmax",
            "has_fused", "FUSED_UNAVAILABLE_REASON", "native_stack", "STACK_UNAVAILABLE_REASON"]
 
 _REQUIRED_X86_FLAGS = ("avx2", "fma", "f16c")   # the kernel is compiled for x86-64-v3's vector ISA (see setup.py)
@@ -255,6 +255,15 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
         return _fused.silu_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def argmax(x: torch.Tensor) -> list[int]:
+    """The index of each row's maximum of x [B, V], as torch.argmax picks it (the first maximum; a NaN counts as
+    the maximum). The compiled path runs on this thread and the kernels' pool, not on the OpenMP team (csrc/fused.h
+    says why)."""
+    if _use_fused(x) and x.dim() == 2 and x.stride(1) == 1 and x.shape[1] > 0:
+        return _fused.argmax_rows(x).tolist()
+    return x.max(dim=-1).indices.tolist()
 
 
 def _pool_module():

@@ -8,13 +8,14 @@ from typing import Callable
 
 import torch
 
+from warmstart import kernels
 from warmstart.runner.batch import TokenLogprobs
 from warmstart.sampling_params import SamplingParams
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
     """logits [B, V] float32 -> one token id per row."""
-    out = logits.argmax(dim=-1).tolist()
+    out = kernels.argmax(logits)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
         return out

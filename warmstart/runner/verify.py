@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from warmstart import kernels
 from warmstart.runner.sampler import _filter
 from warmstart.sampling_params import SamplingParams
 
@@ -36,7 +37,7 @@ def verify(logits: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | 
     k = len(drafts)
     assert logits.shape[0] == k + 1, (logits.shape, k)
     if params.greedy:
-        target = logits.argmax(dim=-1).tolist()
+        target = kernels.argmax(logits)
         out = []
         for j, d in enumerate(drafts):
             if target[j] != d:

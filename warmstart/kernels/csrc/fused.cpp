@@ -11,6 +11,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &ws::fused::write_kv, py::arg("k"), py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"),
         py::call_guard<py::gil_scoped_release>());
   m.def("silu_mul", &ws::fused::silu_mul, py::arg("x"), py::call_guard<py::gil_scoped_release>());
+  m.def("argmax_rows", &ws::fused::argmax_rows, py::arg("x"), py::call_guard<py::gil_scoped_release>());
   m.def("pin_workers", &ws::affinity::pin_workers, py::arg("cpus"));
   m.def("set_pool_cpus", &ws::pool::set_cpus, py::arg("cpus"));
   m.def("pool_stats", &ws::pool::stats);
