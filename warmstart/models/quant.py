@@ -216,8 +216,9 @@ class NativeQuantLinear(nn.Module):
         return dequantize(parts)
 
     def embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        group = self.in_features // self.scales.shape[1]
-        return (self.qweight[ids].to(dtype) * self.scales[ids].repeat_interleave(group, 1).to(dtype))
+        blocks = self.scales.shape[1]
+        codes = self.qweight[ids].to(dtype).view(*ids.shape, blocks, self.in_features // blocks)
+        return (codes * self.scales[ids].to(dtype)[..., None]).view(*ids.shape, self.in_features)
 
 
 def make_linear(tensors: dict[str, torch.Tensor], prefix: str, in_features: int, out_features: int) -> nn.Module:
