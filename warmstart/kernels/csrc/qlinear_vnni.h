@@ -126,7 +126,9 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, bool int4, uint8
   const int64_t nb = K / 32, np = (nb + 1) / 2;
   const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
   const __m512i odd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
-  ws::pool::parallel_for(0, M * np, 16, [&](int64_t begin, int64_t end) {
+  // 64 pairs (4 KiB of codes) a chunk: a decode row (up to K = 4096) quantizes on the calling thread, without a
+  // parallel region of its own (a down projection's 1536 inputs were 2 chunks: a pool round trip for ~1 us of work).
+  ws::pool::parallel_for(0, M * np, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t m = i / np, p = i % np;
       uint8_t* dst = q + i * 64;
