@@ -149,24 +149,63 @@ def test_dense_path_equals_the_dequantized_weight_across_tiles(kind):
     large a tile is 64 rows, so N = 130 spans three tiles, the last one partial."""
     from warmstart import kernels
     args, want = _compiled_case(kind, 130, 32768, kernels.DENSE_MIN_ROWS)
-    y = kernels.qlinear(*args)
+    y = kernels.qlinear(*args, panel_min_rows=0)    # (on AMX the panel route takes these rows when it is on)
     assert torch.allclose(y, want, atol=1e-3 * want.abs().max().item(), rtol=0)
     y_int8_act = kernels.qlinear(*args, dense_min_rows=0, panel_min_rows=0)
     assert (y_int8_act - want).abs().max() > (y - want).abs().max()     # the dense path really ran: it is exact
 
 
+@pytest.fixture
+def isa():
+    """Sets the kernels' ISA level for a test (at most the CPU's: set returns the level in force) and restores it."""
+    from warmstart import kernels
+    if not kernels.has_qlinear():
+        pytest.skip("the compiled quantized-linear kernel is not built here")
+    before = kernels.qlinear_isa()
+    yield kernels.set_qlinear_isa
+    kernels.set_qlinear_isa(before)
+
+
 @pytest.mark.parametrize("kind", ["int4", "int8"])
 @pytest.mark.parametrize("rows", [8, 11, 64, 255])
-def test_panel_path_equals_the_dequantized_weight(kind, rows):
+def test_panel_path_equals_the_dequantized_weight(kind, rows, isa):
     """From PANEL_MIN_ROWS rows the kernel expands 48 weight rows at a time and multiplies them in registers, 4 x
     rows by 3 weight rows: N = 130 spans three panels (the last partial, 34 rows: not a multiple of 3) and the row
-    counts leave every remainder of 4."""
+    counts leave every remainder of 4. The float32 route (AVX2 or AVX-512, below AMX) is exact."""
     from warmstart import kernels
+    assert isa("avx512-vnni") in ("avx512-vnni", "avx2")
     args, want = _compiled_case(kind, 130, 320, rows)
     y = kernels.qlinear(*args)
     assert torch.allclose(y, want, atol=1e-5 * want.abs().max().item(), rtol=0)
     y_int8_act = kernels.qlinear(*args, dense_min_rows=0, panel_min_rows=0)
     assert (y_int8_act - want).abs().max() > 10 * (y - want).abs().max()   # the panel path really ran
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("rows", [8, 11, 17, 32, 64, 255, 256, 300, 600])
+def test_amx_panel_route_is_within_bfloat16_rounding(kind, rows, isa):
+    """On AMX the panel route multiplies bfloat16 weights (32-row panels, two tiles) by bfloat16 activations (16-row
+    tiles, padded), from PANEL_MIN_ROWS rows up, 256 at a time. Each product carries two roundings of at most 2^-9
+    (relative), so every output is within 2^-7 of sum_k |x w| of the exact value (float32 sums add far less).
+    N = 130: four full panels and one of 2 rows (its second tile empty); K = 320: ten tile steps; the row counts
+    leave odd tile counts and partial tiles, and 300 / 600 cross the 256-row slices. Also: the dense route's float32
+    GEMM no longer takes 256+ rows while the panel route is on."""
+    from warmstart import kernels
+    if isa("amx-bf16") != "amx-bf16":
+        pytest.skip("this CPU (or its kernel) gives no AMX-BF16 tiles")
+    args, want = _compiled_case(kind, 130, 320, rows)
+    x, qweight, scales, mins = args
+    ref_w = quant.dequantize({"qweight": qweight, "scales": scales, **({"mins": mins} if mins is not None else {})})
+    y = kernels.qlinear(*args)
+    bound = 2.0 ** -7 * (x.abs() @ ref_w.abs().t())
+    err = (y - want).abs()
+    assert (err <= bound + 1e-6).all(), (err / bound).max()
+    assert err.max() > 0                                   # rounded: not the float32 route
+    exact = kernels.qlinear(*args, panel_min_rows=0, dense_min_rows=1)      # the float32 GEMM route, still there
+    assert torch.allclose(exact, want, atol=1e-4 * want.abs().max().item(), rtol=0)
+    isa("avx512-vnni")
+    y32 = kernels.qlinear(*args)                           # held below AMX: the exact float32 panels again
+    assert (y32 - want).abs().max() < err.max()
 
 
 @pytest.fixture
@@ -236,5 +275,8 @@ def test_kernel_isa_is_held_by_the_environment():
     env = {**__import__("os").environ, "WARMSTART_KERNEL_ISA": "avx2"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "avx2"
+    env["WARMSTART_KERNEL_ISA"] = "avx512-vnni"             # below AMX (the float32 panel route), at most the CPU's
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() in ("avx512-vnni", "avx2")
     with pytest.raises(RuntimeError, match="unknown kernel ISA"):
         kernels.set_qlinear_isa("sse9")

@@ -166,20 +166,23 @@ def has_qlinear() -> bool:
 # - from DENSE_MIN_ROWS (long prefill chunks): expanded in 8 MiB tiles and multiplied by torch's float32 GEMM,
 #   which wins (1.1-1.2x) once the rows no longer stay in cache.
 # The two float32 routes are exact (full-precision activations); the int8-activation one rounds activations.
+# On CPUs with AMX-BF16 tiles (qlinear_isa() "amx-bf16") the panel route runs on the tiles in bfloat16 and takes
+# every row count from PANEL_MIN_ROWS (2.2-4x the float32 GEMM at 256-512 rows, ~3x the float32 panels at 32):
+# weights and activations rounded to bfloat16, float32 sums, so outputs are within bfloat16 rounding, not exact.
 PANEL_MIN_ROWS = 8
 DENSE_MIN_ROWS = 256
 
 
 def qlinear_isa() -> str | None:
-    """The integer kernels the int8-activation route runs: "avx512-vnni" (chosen at run time where the CPU has
-    AVX-512 VNNI: vpdpbusd, 64 weights per instruction), "avx2", or None without the compiled kernel.
-    WARMSTART_KERNEL_ISA=avx2 holds it at AVX2."""
+    """The kernels in force: "amx-bf16" (AVX-512 VNNI integer kernels, and the panel route on AMX-BF16 tiles, where
+    the CPU and Linux give them), "avx512-vnni" (vpdpbusd, 64 weights per instruction; float32 panels), "avx2", or
+    None without the compiled kernel. Chosen at run time; WARMSTART_KERNEL_ISA=avx512-vnni or avx2 holds it lower."""
     return _qlinear.isa() if _qlinear is not None else None
 
 
 def set_qlinear_isa(name: str) -> str | None:
-    """Holds the integer kernels at "avx2" or allows "avx512-vnni" (at most what the CPU has), for A/B runs and
-    tests; returns the level in force. One setting per process (all four modules share it)."""
+    """Holds the kernels at "avx2" or "avx512-vnni", or allows "amx-bf16" (at most what the CPU has), for A/B runs
+    and tests; returns the level in force. One setting per process (all four modules share it)."""
     return _qlinear.set_isa(name) if _qlinear is not None else None
 
 

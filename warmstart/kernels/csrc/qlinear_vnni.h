@@ -22,6 +22,11 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#if defined(__x86_64__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #include <cstring>
 #include <string>
 #include <vector>
@@ -39,14 +44,28 @@ namespace ws::qlinear {
 using half_t = uint16_t;  // float16 bits (at::Half's storage): the weights' scales and mins
 
 // Which integer kernels run: 2 = AVX-512 VNNI, 1 = AVX2 (0: a build without AVX2). The CPU's best by default;
-// WARMSTART_KERNEL_ISA=avx2 (or set_isa) holds it lower, for A/B runs and for the tests of both. One value per
+// WARMSTART_KERNEL_ISA=avx2 or avx512-vnni (or set_isa) holds it lower, for A/B runs and for the tests of each. One value per
 // process: a function-local static of an inline function is one symbol across the four modules (see pool.h).
+// 3 = the same plus AMX-BF16 tiles for the panel route (decode batches: qlinear_vnni.h's amx namespace), where the
+// CPU has them, AVX512-BF16 too, and Linux grants this process the tile state.
+inline bool amx_usable() {
+#if WS_VNNI512
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 22) & 1) || !((d >> 24) & 1)) return false;  // bf16, tile
+  if (!__get_cpuid_count(7, 1, &a, &b, &c, &d) || !((a >> 5) & 1)) return false;                       // avx512-bf16
+  // ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: the process-wide permission to use the tile data (Linux 5.16+)
+  return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+#else
+  return false;
+#endif
+}
+
 inline int cpu_isa() {
 #if WS_VNNI512
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
       __builtin_cpu_supports("avx512vnni"))
-    return 2;
+    return amx_usable() ? 3 : 2;
 #endif
 #if defined(__AVX2__)
   return 1;
@@ -60,19 +79,22 @@ inline int& isa_level() {
     const int best = cpu_isa();
     const char* env = std::getenv("WARMSTART_KERNEL_ISA");
     if (env && std::strcmp(env, "avx2") == 0) return best < 1 ? best : 1;
+    if (env && std::strcmp(env, "avx512-vnni") == 0) return best < 2 ? best : 2;
     return best;
   }();
   return level;
 }
 
-inline std::string isa_name(int level) { return level == 2 ? "avx512-vnni" : level == 1 ? "avx2" : "scalar"; }
+inline std::string isa_name(int level) {
+  return level == 3 ? "amx-bf16" : level == 2 ? "avx512-vnni" : level == 1 ? "avx2" : "scalar";
+}
 inline std::string isa() { return isa_name(isa_level()); }
 
-// Sets the level by name ("avx512-vnni" or "avx2"), at most the CPU's; returns the name of the level now in force.
-// (A build without AVX2 runs its scalar code whatever this says.)
+// Sets the level by name ("amx-bf16", "avx512-vnni" or "avx2"), at most the CPU's; returns the name of the level now
+// in force. (A build without AVX2 runs its scalar code whatever this says.)
 inline std::string set_isa(const std::string& name) {
-  const int want = name == "avx512-vnni" ? 2 : name == "avx2" ? 1 : -1;
-  TORCH_CHECK(want >= 0, "unknown kernel ISA '", name, "' (avx512-vnni or avx2)");
+  const int want = name == "amx-bf16" ? 3 : name == "avx512-vnni" ? 2 : name == "avx2" ? 1 : -1;
+  TORCH_CHECK(want >= 0, "unknown kernel ISA '", name, "' (amx-bf16, avx512-vnni or avx2)");
   isa_level() = std::min(want, cpu_isa());
   return isa();
 }
@@ -441,6 +463,189 @@ __attribute__((noinline)) inline void panel_dots(const float* x, int64_t M, int6
 }
 
 }  // namespace vnni
+
+#pragma GCC diagnostic pop
+#pragma GCC pop_options
+
+// ---- the panel route on AMX (ISA level 3: Intel AMX-BF16 tiles) ------------------------------------------------
+// The float32 panel kernel above is bound by its FMAs (16 products each; measured ~90 GFLOPS a core on a Sapphire
+// Rapids VM, and vdpbf16ps, 32 products, ran no faster there). An AMX tile multiply (tdpbf16ps) does a 16 x 16 x 32
+// product, 8192 multiply-adds, in one instruction. Here the weight panel (32 rows, two 16-row tiles) is expanded to
+// bfloat16 and is the left operand; the activations, rounded to bfloat16 once per call, are the right one, laid out
+// as the tiles want it (pairs of elements, one 16-row tile per 32 of K, transposed: [K/2][M rounded up to 16]). Each
+// output tile is therefore y transposed (16 weight rows x 16 activation rows), stored to a scratch tile and
+// transposed into y in registers. Sums stay float32; weights and activations carry a relative rounding of at most
+// 2^-9 each, so an output is off by about 2^-9 of the sum of |w x| (the tests state the bound), not exact like the
+// float32 route. WARMSTART_KERNEL_ISA=avx512-vnni holds the float32 route.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16,avx2,fma,f16c")
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+
+namespace amx {
+
+using bf16_t = uint16_t;
+constexpr int64_t kPanel = 32;  // weight rows a panel: two tiles
+
+// Weight rows [n0, n1) as bfloat16 into dst [n1 - n0, K]: w = q * scale (+ min for int4), computed in float32
+// exactly as the float32 route's expansion, then rounded to nearest even. The expansion is most of this route's
+// time (the tiles' multiplies are cheap), so int4 takes a table: a block's 16 possible values, code * scale + min,
+// rounded once (16 lanes), and one word permute (vpermw) of them by the 32 codes; the same values, fewer shuffles.
+inline void dequantize_rows(bool int4, const uint8_t* w4, const int8_t* w8, const half_t* sc, const half_t* mn,
+                            int64_t n0, int64_t n1, int64_t K, bf16_t* dst) {
+  const int64_t nb = K / 32;
+  const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i nibbles = _mm512_set1_epi32(0x000F000F);
+  for (int64_t n = n0; n < n1; ++n) {
+    bf16_t* row = dst + (n - n0) * K;
+    for (int64_t b = 0; b < nb; ++b) {
+      const __m512 s = _mm512_set1_ps(_cvtsh_ss(sc[n * nb + b]));
+      __m512i out;
+      if (int4) {
+        const __m512 m = _mm512_set1_ps(_cvtsh_ss(mn[n * nb + b]));
+        const __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(codes, s, m)));
+        // byte j holds elements 2j (low nibble) and 2j + 1 (high): as a 32-bit lane, the words (low, high nibble)
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w4 + n * (K / 2) + b * 16)));
+        out = _mm512_permutexvar_epi16(_mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12), nibbles, 0xA8), table);
+      } else {
+        const __m128i* q = reinterpret_cast<const __m128i*>(w8 + n * K + b * 32);
+        const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))), s);
+        const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))), s);
+        out = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+      }
+      _mm512_storeu_si512(row + b * 32, out);
+    }
+  }
+}
+
+// r[i] (row i of a 16 x 16 matrix of 32-bit elements) becomes column i, in registers.
+inline void transpose16(__m512 (&r)[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {  // 32-bit interleave within 128-bit lanes
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // 64-bit interleave: r[4i + c] lane L = column 4L + c of rows 4i..4i+3
+    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+    const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  __m512 o[16];
+  for (int c = 0; c < 4; ++c) {  // 128-bit lanes: column 4L + c gathers lane L of r[c], r[4 + c], r[8 + c], r[12 + c]
+    const __m512 a = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x44), b = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xEE);
+    const __m512 d = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x44), e = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xEE);
+    o[c] = _mm512_shuffle_f32x4(a, d, 0x88);
+    o[4 + c] = _mm512_shuffle_f32x4(a, d, 0xDD);
+    o[8 + c] = _mm512_shuffle_f32x4(b, e, 0x88);
+    o[12 + c] = _mm512_shuffle_f32x4(b, e, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = o[i];
+}
+
+// x [M, K] float32 -> xt [K/2][Mp] pairs of bfloat16 (Mp: M rounded up to 16; rows past M are zero): each 32 of K
+// is one right-hand tile per 16 rows.
+inline void pack_activations(const float* x, int64_t M, int64_t K, int64_t Mp, uint32_t* xt) {
+  for (int64_t m0 = 0; m0 < Mp; m0 += 16)
+    for (int64_t k0 = 0; k0 < K; k0 += 32) {
+      __m512 r[16];
+      for (int i = 0; i < 16; ++i) {
+        const int64_t m = m0 + i;
+        r[i] = m < M ? (__m512)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + m * K + k0 + 16), _mm512_loadu_ps(x + m * K + k0))
+                     : _mm512_setzero_ps();
+      }
+      transpose16(r);
+      for (int i = 0; i < 16; ++i) _mm512_storeu_ps(xt + (k0 / 2 + i) * Mp + m0, r[i]);
+    }
+}
+
+// A scratch output tile (16 weight rows x 16 activation rows) into y [M, N] at (m0, n0), transposed; nv weight
+// rows and mv activation rows of it are real.
+inline void store_transposed(const float* tile, float* y, int64_t N, int64_t m0, int64_t n0, int64_t mv, int64_t nv) {
+  if (mv <= 0 || nv <= 0) return;
+  __m512 r[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(tile + 16 * i);
+  transpose16(r);
+  const __mmask16 k = static_cast<__mmask16>(nv >= 16 ? 0xFFFF : (1u << nv) - 1);
+  for (int64_t j = 0; j < std::min<int64_t>(mv, 16); ++j) _mm512_mask_storeu_ps(y + (m0 + j) * N + n0, k, r[j]);
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: outputs (weight tile a x activation tile b), 4-5: the panel's two weight tiles, 6-7: activations.
+// Every tile is 16 rows of 64 bytes.
+inline void configure() {
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) {
+    c.colsb[t] = 64;
+    c.rows[t] = 16;
+  }
+  _tile_loadconfig(&c);
+}
+
+// y [M, N] = x [M, K] times the weight, the panel route in bfloat16 tiles.
+__attribute__((noinline)) inline void panel_qlinear(const float* x, int64_t M, int64_t K, int64_t N, bool int4,
+                                                    const uint8_t* w4, const int8_t* w8, const half_t* sc,
+                                                    const half_t* mn, float* y) {
+  const int64_t Mp = (M + 15) / 16 * 16;
+  thread_local std::vector<uint32_t> xbuf;
+  if (static_cast<int64_t>(xbuf.size()) < K / 2 * Mp) xbuf.resize(K / 2 * Mp);
+  const uint32_t* xt = xbuf.data();
+  pack_activations(x, M, K, Mp, xbuf.data());
+  const int64_t ldw = K * 2, ldx = Mp * 4;
+  ws::pool::parallel_for(0, (N + kPanel - 1) / kPanel, 1, [&](int64_t pb, int64_t pe) {
+    thread_local std::vector<bf16_t> buf;
+    if (static_cast<int64_t>(buf.size()) < kPanel * K) buf.resize(kPanel * K);
+    alignas(64) float out[4][256];
+    configure();
+    for (int64_t p = pb; p < pe; ++p) {
+      const int64_t n0 = p * kPanel, nv = std::min(N - n0, kPanel);
+      dequantize_rows(int4, w4, w8, sc, mn, n0, n0 + nv, K, buf.data());
+      if (nv < kPanel) std::memset(buf.data() + nv * K, 0, (kPanel - nv) * K * 2);
+      const bf16_t* w0 = buf.data();
+      const bf16_t* w1 = buf.data() + 16 * K;
+      for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
+        const bool two = m0 + 16 < Mp;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t k0 = 0; k0 < K; k0 += 32) {
+          _tile_loadd(4, w0 + k0, ldw);
+          _tile_loadd(5, w1 + k0, ldw);
+          _tile_loadd(6, xt + (k0 / 2) * Mp + m0, ldx);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(2, 5, 6);
+          if (two) {
+            _tile_loadd(7, xt + (k0 / 2) * Mp + m0 + 16, ldx);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(3, 5, 7);
+          }
+        }
+        _tile_stored(0, out[0], 64);
+        _tile_stored(2, out[2], 64);
+        store_transposed(out[0], y, N, m0, n0, M - m0, nv);
+        store_transposed(out[2], y, N, m0, n0 + 16, M - m0, nv - 16);
+        if (two) {
+          _tile_stored(1, out[1], 64);
+          _tile_stored(3, out[3], 64);
+          store_transposed(out[1], y, N, m0 + 16, n0, M - m0 - 16, nv);
+          store_transposed(out[3], y, N, m0 + 16, n0 + 16, M - m0 - 16, nv - 16);
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+
+}  // namespace amx
 
 #pragma GCC diagnostic pop
 #pragma GCC pop_options
