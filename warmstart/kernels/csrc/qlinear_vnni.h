@@ -43,11 +43,11 @@ namespace ws::qlinear {
 
 using half_t = uint16_t;  // float16 bits (at::Half's storage): the weights' scales and mins
 
-// Which integer kernels run: 2 = AVX-512 VNNI, 1 = AVX2 (0: a build without AVX2). The CPU's best by default;
-// WARMSTART_KERNEL_ISA=avx2 or avx512-vnni (or set_isa) holds it lower, for A/B runs and for the tests of each. One value per
-// process: a function-local static of an inline function is one symbol across the four modules (see pool.h).
-// 3 = the same plus AMX-BF16 tiles for the panel route (decode batches: qlinear_vnni.h's amx namespace), where the
-// CPU has them, AVX512-BF16 too, and Linux grants this process the tile state.
+// Which kernels run: 3 = AVX-512 VNNI plus AMX-BF16 tiles for the panel route (8+ rows; the amx namespace below),
+// where the CPU has them and AVX512-BF16 and Linux grants this process the tile state; 2 = AVX-512 VNNI; 1 = AVX2
+// (0: a build without AVX2). The CPU's best by default; WARMSTART_KERNEL_ISA=avx512-vnni or avx2 (or set_isa) holds
+// it lower, for A/B runs and for the tests of each. One value per process: a function-local static of an inline
+// function is one symbol across the four modules (see pool.h).
 inline bool amx_usable() {
 #if WS_VNNI512
   unsigned a = 0, b = 0, c = 0, d = 0;
@@ -506,7 +506,8 @@ inline void dequantize_rows(bool int4, const uint8_t* w4, const int8_t* w8, cons
         const __m512 m = _mm512_set1_ps(_cvtsh_ss(mn[n * nb + b]));
         const __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(codes, s, m)));
         // byte j holds elements 2j (low nibble) and 2j + 1 (high): as a 32-bit lane, the words (low, high nibble)
-        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w4 + n * (K / 2) + b * 16)));
+        const __m128i* q = reinterpret_cast<const __m128i*>(w4 + n * (K / 2) + b * 16);
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(q));
         out = _mm512_permutexvar_epi16(_mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12), nibbles, 0xA8), table);
       } else {
         const __m128i* q = reinterpret_cast<const __m128i*>(w8 + n * K + b * 32);
@@ -537,7 +538,8 @@ inline void transpose16(__m512 (&r)[16]) {
   __m512 o[16];
   for (int c = 0; c < 4; ++c) {  // 128-bit lanes: column 4L + c gathers lane L of r[c], r[4 + c], r[8 + c], r[12 + c]
     const __m512 a = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x44), b = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xEE);
-    const __m512 d = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x44), e = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xEE);
+    const __m512 d = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x44);
+    const __m512 e = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xEE);
     o[c] = _mm512_shuffle_f32x4(a, d, 0x88);
     o[4 + c] = _mm512_shuffle_f32x4(a, d, 0xDD);
     o[8 + c] = _mm512_shuffle_f32x4(b, e, 0x88);
@@ -554,8 +556,8 @@ inline void pack_activations(const float* x, int64_t M, int64_t K, int64_t Mp, u
       __m512 r[16];
       for (int i = 0; i < 16; ++i) {
         const int64_t m = m0 + i;
-        r[i] = m < M ? (__m512)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + m * K + k0 + 16), _mm512_loadu_ps(x + m * K + k0))
-                     : _mm512_setzero_ps();
+        const float* row = x + m * K + k0;
+        r[i] = m < M ? (__m512)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + 16), _mm512_loadu_ps(row)) : _mm512_setzero_ps();
       }
       transpose16(r);
       for (int i = 0; i < 16; ++i) _mm512_storeu_ps(xt + (k0 / 2 + i) * Mp + m0, r[i]);
