@@ -1,5 +1,6 @@
 // The int8-activation route of qlinear.h (decode steps of a few rows) on CPUs with AVX-512 VNNI: the same integer
-// dot products, 64 weights per instruction; and the float32 panel route's multiply (decode batches) on 16 lanes.
+// dot products, 64 weights per instruction; the float32 panel route's multiply (decode batches) on 16 lanes; and,
+// on CPUs with AMX-BF16, the panel route on tiles (namespace amx at the end).
 // The extension is built for x86-64-v3 (AVX2), so this code is compiled
 // for AVX-512 by a target pragma and runs only where the CPU has it, chosen at run time (isa() below).
 //
@@ -60,18 +61,22 @@ inline bool amx_usable() {
 #endif
 }
 
+// Probed once per process (set_isa asks again for every change of level).
 inline int cpu_isa() {
+  static const int best = [] {
 #if WS_VNNI512
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-      __builtin_cpu_supports("avx512vnni"))
-    return amx_usable() ? 3 : 2;
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
+      return amx_usable() ? 3 : 2;
 #endif
 #if defined(__AVX2__)
-  return 1;
+    return 1;
 #else
-  return 0;
+    return 0;
 #endif
+  }();
+  return best;
 }
 
 inline int& isa_level() {
@@ -599,8 +604,8 @@ __attribute__((noinline)) inline void panel_qlinear(const float* x, int64_t M, i
   const int64_t Mp = (M + 15) / 16 * 16;
   thread_local std::vector<uint32_t> xbuf;
   if (static_cast<int64_t>(xbuf.size()) < K / 2 * Mp) xbuf.resize(K / 2 * Mp);
-  const uint32_t* xt = xbuf.data();
   pack_activations(x, M, K, Mp, xbuf.data());
+  const uint32_t* xt = xbuf.data();
   const int64_t ldw = K * 2, ldx = Mp * 4;
   ws::pool::parallel_for(0, (N + kPanel - 1) / kPanel, 1, [&](int64_t pb, int64_t pe) {
     thread_local std::vector<bf16_t> buf;
