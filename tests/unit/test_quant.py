@@ -175,7 +175,7 @@ def test_panel_path_equals_the_dequantized_weight(kind, rows, isa):
     from warmstart import kernels
     assert isa("avx512-vnni") in ("avx512-vnni", "avx2")
     args, want = _compiled_case(kind, 130, 320, rows)
-    y = kernels.qlinear(*args)
+    y = kernels.qlinear(*args, panel_min_rows=kernels.PANEL_MIN_ROWS)   # (VNNI's default keeps int8 activations)
     assert torch.allclose(y, want, atol=1e-5 * want.abs().max().item(), rtol=0)
     y_int8_act = kernels.qlinear(*args, dense_min_rows=0, panel_min_rows=0)
     assert (y_int8_act - want).abs().max() > 10 * (y - want).abs().max()   # the panel path really ran
@@ -204,7 +204,7 @@ def test_amx_panel_route_is_within_bfloat16_rounding(kind, rows, isa):
     exact = kernels.qlinear(*args, panel_min_rows=0, dense_min_rows=1)      # the float32 GEMM route, still there
     assert torch.allclose(exact, want, atol=1e-4 * want.abs().max().item(), rtol=0)
     isa("avx512-vnni")
-    y32 = kernels.qlinear(*args)                           # held below AMX: the exact float32 panels again
+    y32 = kernels.qlinear(*args, panel_min_rows=kernels.PANEL_MIN_ROWS)   # below AMX: the exact float32 panels
     assert (y32 - want).abs().max() < err.max()
 
 
@@ -229,7 +229,8 @@ def test_vnni_route_equals_the_avx2_route(vnni, kind, n, k):
     """Same activation codes and block scales, the same integer sums: the two ISAs differ only in the order of the
     float accumulation. Odd block counts (96, 160, 32) take the half-empty last pair; n not a multiple of 4 takes
     the single-row tiles; 1-7 rows take every activation-row tile (4, 3, 2, 1); 8, 11 and 70 rows the float32
-    panel route (AVX-512: 4 x 6 tiles; n = 130 leaves every remainder of 6 and of 3)."""
+    panel route (AVX-512: 4 x 6 tiles; n = 130 leaves every remainder of 6 and of 3), asked for from
+    PANEL_MIN_ROWS on both ISAs (VNNI's own default keeps int8 activations further: the next test)."""
     torch.manual_seed(n + k)
     w = torch.randn(n, k)
     canon = quant.quantize_int4(w) if kind == "int4" else quant.quantize_int8(w)
@@ -239,12 +240,34 @@ def test_vnni_route_equals_the_avx2_route(vnni, kind, n, k):
         x = torch.randn(rows, k)
         args = (x, ready["qweight"], ready["scales"], ready.get("mins"))
         assert vnni.set_qlinear_isa("avx2") == "avx2"
-        a = vnni.qlinear(*args)
+        a = vnni.qlinear(*args, panel_min_rows=vnni.PANEL_MIN_ROWS)
         assert vnni.set_qlinear_isa("avx512-vnni") == "avx512-vnni"
-        b = vnni.qlinear(*args)
+        b = vnni.qlinear(*args, panel_min_rows=vnni.PANEL_MIN_ROWS)
         assert (a - b).abs().max() <= 1e-5 * a.abs().max(), (rows, (a - b).abs().max())
         ref = x @ ref_w.t()
         assert (b - ref).abs().max() <= REL_TOL * ref.abs().max()
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_vnni_keeps_int8_activations_up_to_its_measured_crossover(vnni, kind):
+    """On AVX-512 VNNI without AMX the int8-activation route beats the float32 panels further up (measured; see
+    kernels/__init__.py): by default int4 weights keep it below VNNI_INT4_PANEL_ROWS rows and int8 weights below
+    DENSE_MIN_ROWS; AVX2 and AMX take the panel route from PANEL_MIN_ROWS. The default's output equals the chosen
+    route's bit for bit, and the two routes' outputs differ (int8 activations are rounded)."""
+    torch.manual_seed(7)
+    ready = quant.prepare(quant.quantize_int4(torch.randn(130, 320)) if kind == "int4"
+                          else quant.quantize_int8(torch.randn(130, 320)))
+    cut = vnni.VNNI_INT4_PANEL_ROWS if kind == "int4" else vnni.DENSE_MIN_ROWS
+    assert vnni.panel_threshold(kind == "int4") == cut
+    for rows in sorted({vnni.PANEL_MIN_ROWS, 32, vnni.VNNI_INT4_PANEL_ROWS - 1, vnni.VNNI_INT4_PANEL_ROWS,
+                        vnni.DENSE_MIN_ROWS - 1}):
+        args = (torch.randn(rows, 320), ready["qweight"], ready["scales"], ready.get("mins"))
+        int8_act = vnni.qlinear(*args, dense_min_rows=0, panel_min_rows=0)
+        panel = vnni.qlinear(*args, panel_min_rows=vnni.PANEL_MIN_ROWS)
+        assert not torch.equal(int8_act, panel)
+        assert torch.equal(vnni.qlinear(*args), int8_act if rows < cut else panel), rows
+    assert vnni.set_qlinear_isa("avx2") == "avx2"
+    assert vnni.panel_threshold(True) == vnni.panel_threshold(False) == vnni.PANEL_MIN_ROWS
 
 
 @pytest.mark.parametrize("kind", ["int4", "int8"])

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 __all__ = ["paged_attention", "paged_attention_torch", "has_native", "NATIVE_UNAVAILABLE_REASON", "qlinear",
-           "has_qlinear", "QLINEAR_UNAVAILABLE_REASON", "qlinear_isa", "set_qlinear_isa", "add_rms_norm", "rotary_",
+           "has_qlinear", "QLINEAR_UNAVAILABLE_REASON", "qlinear_isa", "set_qlinear_isa", "panel_threshold", "add_rms_norm", "rotary_",
            "write_kv", "silu_mul", "argmax",
            "has_fused", "FUSED_UNAVAILABLE_REASON", "native_stack", "STACK_UNAVAILABLE_REASON"]
 
@@ -169,8 +169,21 @@ def has_qlinear() -> bool:
 # On CPUs with AMX-BF16 tiles (qlinear_isa() "amx-bf16") the panel route runs on the tiles in bfloat16 and takes
 # every row count from PANEL_MIN_ROWS (2.2-4x the float32 GEMM at 256-512 rows, ~3x the float32 panels at 32):
 # weights and activations rounded to bfloat16, float32 sums, so outputs are within bfloat16 rounding, not exact.
+# On AVX-512 VNNI without AMX (the AVX-512 EPYCs; an AMX Xeon held at "avx512-vnni") the int8-activation route
+# (vpdpbusd, 64 weights an instruction, no expansion of the weight) beats the float32 panels further up: at 8-32
+# rows 1.3-2.2x (int8 weights) and 1.0-1.7x (int4); at 48-128 rows still 1.04-1.3x for int8 weights, while int4's
+# (its codes unpacked again for every 4 rows) fell to 0.8-1.0x (2 threads, SmolLM2's shapes incl. the LM head;
+# issue 8's closing notes). So there int8 weights keep it up to DENSE_MIN_ROWS and int4 up to VNNI_INT4_PANEL_ROWS.
 PANEL_MIN_ROWS = 8
 DENSE_MIN_ROWS = 256
+VNNI_INT4_PANEL_ROWS = 40
+
+
+def panel_threshold(int4: bool) -> int:
+    """The row count from which the panel route runs, for the kernels in force (qlinear_isa()) and weight kind."""
+    if qlinear_isa() == "avx512-vnni":
+        return VNNI_INT4_PANEL_ROWS if int4 else DENSE_MIN_ROWS
+    return PANEL_MIN_ROWS
 
 
 def qlinear_isa() -> str | None:
@@ -187,11 +200,14 @@ def set_qlinear_isa(name: str) -> str | None:
 
 
 def qlinear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None = None,
-            dense_min_rows: int = DENSE_MIN_ROWS, panel_min_rows: int = PANEL_MIN_ROWS) -> torch.Tensor:
+            dense_min_rows: int = DENSE_MIN_ROWS, panel_min_rows: int | None = None) -> torch.Tensor:
     """x [M, K] (any float dtype) times a quantized weight, float32 [M, N] out. int4: qweight uint8 [N, K/2],
     scales and mins float32 [N, K/32]; int8: qweight int8 [N, K], scales float32 [N, K/32]. Routes by M (see
     above; a threshold of 0 turns its route off): int8 activations below panel_min_rows, the float32 panel kernel
-    from there, the float32 GEMM over expanded tiles from dense_min_rows."""
+    from there, the float32 GEMM over expanded tiles from dense_min_rows. panel_min_rows None: panel_threshold()
+    for the kernels in force and this weight's kind."""
+    if panel_min_rows is None:
+        panel_min_rows = panel_threshold(mins is not None)
     return _qlinear.qlinear(x, qweight, scales, mins, dense_min_rows, panel_min_rows)
 
 

@@ -43,7 +43,7 @@ def _linear(module: nn.Module, mod) -> Any | None:
         if not module.qweight.is_cpu:
             return None
         return mod.Linear.quantized(module.qweight, module.scales, module.mins, bias, kernels.DENSE_MIN_ROWS,
-                                    kernels.PANEL_MIN_ROWS)
+                                    kernels.panel_threshold(module.mins is not None))
     return None
 
 

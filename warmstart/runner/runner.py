@@ -249,7 +249,7 @@ class ModelRunner:
         rows = min(max_num_seqs, num_tokens)
         if rows < num_tokens:
             # A decode-sized step too: the quantized linears pick their kernel by row count, and the panel kernel's
-            # per-thread scratch (kernels.PANEL_MIN_ROWS) must exist, and be counted, before the KV cache is sized.
+            # per-thread scratch (kernels.panel_threshold) must exist, and be counted, before the KV cache is sized.
             del hidden
             attn.meta = AttentionMeta(torch.empty(0), [SeqSlice(0, rows, rows)])
             hidden = self.forward(ids[:rows], positions[:rows], attn)
