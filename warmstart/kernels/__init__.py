@@ -21,8 +21,8 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 __all__ = ["paged_attention", "paged_attention_torch", "has_native", "NATIVE_UNAVAILABLE_REASON", "qlinear",
-           "has_qlinear", "QLINEAR_UNAVAILABLE_REASON", "qlinear_isa", "set_qlinear_isa", "panel_threshold", "add_rms_norm", "rotary_",
-           "write_kv", "silu_mul", "argmax",
+           "has_qlinear", "QLINEAR_UNAVAILABLE_REASON", "qlinear_isa", "set_qlinear_isa", "panel_threshold",
+           "add_rms_norm", "rotary_", "write_kv", "silu_mul", "argmax",
            "has_fused", "FUSED_UNAVAILABLE_REASON", "native_stack", "STACK_UNAVAILABLE_REASON"]
 
 _REQUIRED_X86_FLAGS = ("avx2", "fma", "f16c")   # the kernel is compiled for x86-64-v3's vector ISA (see setup.py)
