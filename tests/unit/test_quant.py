@@ -254,14 +254,11 @@ def test_vnni_keeps_int8_activations_up_to_its_measured_crossover(vnni, kind):
     kernels/__init__.py): by default int4 weights keep it below VNNI_INT4_PANEL_ROWS rows and int8 weights below
     DENSE_MIN_ROWS; AVX2 and AMX take the panel route from PANEL_MIN_ROWS. The default's output equals the chosen
     route's bit for bit, and the two routes' outputs differ (int8 activations are rounded)."""
-    torch.manual_seed(7)
-    ready = quant.prepare(quant.quantize_int4(torch.randn(130, 320)) if kind == "int4"
-                          else quant.quantize_int8(torch.randn(130, 320)))
     cut = vnni.VNNI_INT4_PANEL_ROWS if kind == "int4" else vnni.DENSE_MIN_ROWS
     assert vnni.panel_threshold(kind == "int4") == cut
     for rows in sorted({vnni.PANEL_MIN_ROWS, 32, vnni.VNNI_INT4_PANEL_ROWS - 1, vnni.VNNI_INT4_PANEL_ROWS,
                         vnni.DENSE_MIN_ROWS - 1}):
-        args = (torch.randn(rows, 320), ready["qweight"], ready["scales"], ready.get("mins"))
+        args, _ = _compiled_case(kind, 130, 320, rows)
         int8_act = vnni.qlinear(*args, dense_min_rows=0, panel_min_rows=0)
         panel = vnni.qlinear(*args, panel_min_rows=vnni.PANEL_MIN_ROWS)
         assert not torch.equal(int8_act, panel)

@@ -9,7 +9,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("simd") = WS_AVX2 ? "avx2+fma" : "scalar";   // what this build was compiled for
   m.def("isa", &ws::qlinear::isa, "the kernels in force: amx-bf16 or avx512-vnni (chosen at run time), avx2 or scalar");
   m.def("set_isa", &ws::qlinear::set_isa, py::arg("name"),
-        "hold the kernels at 'avx2' or 'avx512-vnni' or allow 'amx-bf16' (where the CPU has it); returns the level in force");
+        "hold the kernels at 'avx2' or 'avx512-vnni' or allow 'amx-bf16' (where the CPU has it); "
+        "returns the level in force");
   m.def("set_pool_cpus", &ws::pool::set_cpus, py::arg("cpus"));
   m.def("pool_stats", &ws::pool::stats);
   m.def("set_pool_enabled", &ws::pool::set_enabled, py::arg("on"));

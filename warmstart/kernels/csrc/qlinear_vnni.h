@@ -562,7 +562,8 @@ inline void pack_activations(const float* x, int64_t M, int64_t K, int64_t Mp, u
       for (int i = 0; i < 16; ++i) {
         const int64_t m = m0 + i;
         const float* row = x + m * K + k0;
-        r[i] = m < M ? (__m512)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + 16), _mm512_loadu_ps(row)) : _mm512_setzero_ps();
+        r[i] = m < M ? (__m512)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + 16), _mm512_loadu_ps(row))
+                     : _mm512_setzero_ps();
       }
       transpose16(r);
       for (int i = 0; i < 16; ++i) _mm512_storeu_ps(xt + (k0 / 2 + i) * Mp + m0, r[i]);
