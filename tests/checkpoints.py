@@ -58,3 +58,18 @@ def write_checkpoint(out: Path, family: str = "llama", *, layers: int = 2, hidde
                 p.normal_(0, 0.08)
     model.save_pretrained(out)
     return out
+
+
+def write_quantized_checkpoint(src: Path, out: Path, mode: str = "int4") -> Path:
+    """A copy of checkpoint `src` whose linears are stored as canonical quantized tensors (round to nearest, as
+    `--quantization int4|int8` makes them), the form `warmstart import-gguf` writes; returns the folder."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from warmstart.weights.quantize import canonical
+    out.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            (out / f.name).write_bytes(f.read_bytes())
+    tensors = canonical(load_file(str(src / "model.safetensors")), torch.float32, mode)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
+    return out

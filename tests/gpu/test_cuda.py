@@ -1,5 +1,5 @@
-"""CUDA checks, skipped where torch sees no GPU (CI never has one). Run on a lent GPU with:
-    .venv/bin/python -m pytest tests/gpu -q     (or: bash tests/gpu/run.sh, which also writes a log to $OUT)
+"""CUDA checks, skipped where torch sees no GPU (CI never has one). Run on a lent GPU with `bash tests/gpu/run.sh`
+(that machine's own torch; missing packages carried as wheels, see the script; the log goes to $OUT).
 They cover what the CPU suite cannot: CUDA device facts and peak tracking, parity with transformers on the GPU,
 a plan hit reproducing KV blocks and tokens, and the daemon's CUDA IPC path with the KV/token invariant."""
 import json

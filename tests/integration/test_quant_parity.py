@@ -144,3 +144,23 @@ def test_torch_kernels_where_the_compiled_one_is_missing(tmp_path, monkeypatch):
     assert any(isinstance(m, quant.Int4Linear) for m in llm.booted.runner.model.modules())
     assert not any(isinstance(m, quant.NativeQuantLinear) for m in llm.booted.runner.model.modules())
     check_parity(llm)
+
+
+def test_a_gpu_load_serves_a_quantized_checkpoint_dequantized(tmp_path):
+    """The integer kernels are CPU code: on any other device (meta stands in for a GPU here; tests/gpu boots it on
+    CUDA) auto dequantizes a quantized checkpoint once at load, to the same values quantization none gives, and an
+    explicit int8/int4 is refused with the fix in the message."""
+    from tests.checkpoints import write_quantized_checkpoint
+    from warmstart.errors import UserError
+    from warmstart.weights.loader import load_tensors
+    d = write_checkpoint(tmp_path / "m", "llama", layers=1)
+    q = write_quantized_checkpoint(d, tmp_path / "q", "int4")
+    on_cpu = load_tensors(q, torch.float32, "cpu", progress=False)
+    assert any(n.endswith(".qweight") for n in on_cpu)              # the CPU keeps the quantized form
+    auto = load_tensors(q, torch.float32, "meta", progress=False)
+    none = load_tensors(q, torch.float32, "cpu", progress=False, quantization="none")
+    assert not any(n.endswith((".qweight", ".scales", ".mins")) for n in auto)
+    assert {n: (t.shape, t.dtype) for n, t in auto.items()} == {n: (t.shape, t.dtype) for n, t in none.items()}
+    assert all(t.device.type == "meta" for t in auto.values())
+    with pytest.raises(UserError, match="CPU kernels only.*--quantization auto or none"):
+        load_tensors(d, torch.float32, "meta", progress=False, quantization="int8")

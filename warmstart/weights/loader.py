@@ -111,8 +111,14 @@ def load_tensors(model_dir: Path, dtype: torch.dtype, device: torch.device | str
     finally:
         bar.close()
     if quantization != "none" or checkpoint_kind(out) == "quantized":
-        if str(device) != "cpu" and resolve(quantization, out) != "none":
-            raise UserError("Quantized weights run on CPU kernels only; on a GPU use --quantization none.")
+        if str(device) != "cpu":
+            if quantization == "auto":
+                # A quantized checkpoint (the default model's GGUF) is served in float on a GPU: the integer
+                # kernels are CPU code. Its exact values, dequantized once here.
+                quantization = "none"
+            elif resolve(quantization, out) != "none":
+                raise UserError(f"--quantization {quantization} runs on warmstart's CPU kernels only; on a GPU "
+                                "use --quantization auto or none (weights in --dtype).")
         out = postprocess(out, dtype, quantization, shard)
     elif shard is not None:
         out = shard(out)
