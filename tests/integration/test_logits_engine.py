@@ -38,10 +38,28 @@ def test_json_schema_output_is_valid_in_a_mixed_batch(llm):
 def test_regex_and_choice(llm):
     out = llm.generate("Hi", SamplingParams(max_tokens=20, temperature=1.0, seed=1,
                                             grammar=llm.compile_grammar("regex", r"[a-c]{3}-\d\d")))[0]
-    assert re.fullmatch(r"[a-c]{3}-\d\d", out.text), out.text
+    assert re.fullmatch(r"[a-c]{3}-[0-9][0-9]", out.text), out.text
     out = llm.generate("Hi", SamplingParams(max_tokens=20, temperature=1.0, seed=2,
                                             grammar=llm.compile_grammar("choice", ["yes", "no", "maybe"])))[0]
     assert out.text in ("yes", "no", "maybe")
+
+
+def test_regex_digit_and_word_classes_are_ascii(llm):
+    """\\d and \\w mean ASCII, as in JSON Schema patterns and vLLM's regex backends: llguidance alone reads them as
+    Unicode classes, and a GPU run of test_regex_and_choice produced 'aaa-𜳴１' (an outlined and a fullwidth
+    digit)."""
+    from warmstart.runner.grammar import ascii_classes
+    assert ascii_classes(r"[a-c]{3}-\d\d") == "[a-c]{3}-[0-9][0-9]"
+    assert ascii_classes(r"[\w-]+\D[^\d\s]\\d[]\d]") == r"[0-9A-Za-z_-]+[^0-9][^0-9\s]\\d[]0-9]"
+
+    def accepts(kind, spec, text):
+        m = llm.compile_grammar(kind, spec).new_matcher()
+        return m.consume_tokens(llm.tokenizer.encode(text, add_special_tokens=False)) and not m.is_error()
+    for spec in (r"\d\d", r"[\d]+", r"\w+"):
+        assert accepts("regex", spec, "12")
+        assert not accepts("regex", spec, "１２"), spec
+    assert accepts("regex", r"\D", "x") and not accepts("regex", r"\D", "1")
+    assert not accepts("json", {"type": "string", "pattern": r"^\d+$"}, '"１２"')   # llguidance's JSON: already ASCII
 
 
 def test_bad_grammars_are_user_errors(llm):

@@ -25,6 +25,43 @@ Kind = Literal["json", "regex", "choice", "grammar"]
 _JSON_OPTIONS = {"whitespace_flexible": False, "lenient": True}
 
 
+# \d and \w as ECMAScript (JSON Schema's `pattern`, which llguidance already reads so) and vLLM's regex backends
+# read them: ASCII. llguidance's own regex syntax makes them Unicode classes, so `\d\d` admitted fullwidth and
+# other script digits ('１２'), which a small model then emitted (seen on a GPU run of the logits tests).
+_ASCII = {"d": ("[0-9]", "0-9"), "w": ("[0-9A-Za-z_]", "0-9A-Za-z_"), "D": ("[^0-9]", None),
+          "W": ("[^0-9A-Za-z_]", None)}
+
+
+def ascii_classes(regex: str) -> str:
+    r"""regex with \d, \w (anywhere) and \D, \W (outside a bracket class, where a negated class can stand) as
+    their ASCII classes; everything else as written."""
+    out, i, in_class, n = [], 0, False, len(regex)
+    while i < n:
+        c = regex[i]
+        if c == "\\" and i + 1 < n:
+            e = regex[i + 1]
+            sub = _ASCII.get(e, (None, None))[1 if in_class else 0]
+            out.append(sub if sub is not None else regex[i:i + 2])
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            out.append(c)
+            i += 1
+            if i < n and regex[i] == "^":           # [^ ... and a leading ] are members, not the end
+                out.append("^")
+                i += 1
+            if i < n and regex[i] == "]":
+                out.append("]")
+                i += 1
+            continue
+        out.append(c)
+        i += 1
+    return "".join(out)
+
+
 @dataclass(frozen=True, eq=False)
 class Grammar:
     """A compiled grammar. Immutable; new_matcher() gives each sequence its own parse state."""
@@ -72,7 +109,7 @@ class GrammarCompiler:
             text = llguidance.LLMatcher.grammar_from_json_schema(source)
         elif kind == "regex":
             source = str(spec)
-            text = llguidance.LLMatcher.grammar_from_regex(source)
+            text = llguidance.LLMatcher.grammar_from_regex(ascii_classes(source))
         elif kind == "choice":
             if not isinstance(spec, list) or not spec or not all(isinstance(c, str) for c in spec):
                 raise UserError("A choice must be a non-empty list of strings.")
