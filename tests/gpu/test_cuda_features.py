@@ -55,8 +55,8 @@ def test_feature_on_gpu_equals_the_plain_run(ckpt, plain, variant, tmp_path):
 
 
 def test_preemption_on_gpu_equals_the_plain_run(ckpt, tmp_path):
-    from warmstart.models.spec import ModelSpec
-    block = ModelSpec.from_dir(ckpt).kv_bytes_per_token * 4 * 16   # float32 cache
+    from tests.integration.test_attention_paths import small_block_bytes
+    block = 16 * small_block_bytes(ckpt)                           # a float32 cache's block
     small = LLM(str(ckpt), **{**BASE, "kv_cache_memory": 12 * block, "max_model_len": 128, "cache_dir": tmp_path,
                               "max_num_batched_tokens": 64, "kv_cache_dtype": "float32"})
     assert small.booted.ledger.num_kv_blocks == 12
