@@ -316,3 +316,33 @@ def test_native_query_alone_equals_query_in_a_batch(cache_dtype):
     finally:
         torch.set_num_threads(before)
     assert torch.equal(batch[:1], alone)
+
+
+@native
+@pytest.mark.skipif(kernels.qlinear_isa() not in ("avx512-vnni", "amx-bf16"),
+                    reason="no AVX-512 VNNI on this CPU: only the 8-lane step runs")
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float32])
+@pytest.mark.parametrize("D,ratio", [(64, 3), (128, 4), (96, 1), (32, 7), (48, 2)])
+def test_int8_16_lane_step_equals_the_8_lane_one(cache_dtype, D, ratio):
+    """An int8 cache's 16-lane step (paged_attention_avx512.h: CPUs with AVX-512 VNNI, head dims that are multiples
+    of 32) against the 8-lane one (WARMSTART_KERNEL_ISA=avx2) on the same case: bit-identical, as the integer q.k is
+    exact in both and P.V sums the same products in the same order in every lane. (Float caches and other head dims
+    run the 8-lane step either way: the float32 cases check that the ISA switch leaves them alone.) Equal results
+    cannot show which step ran, so the kernel's own choice (paged_int8_lanes) is asserted under each ISA, and the
+    16-lane result is checked against the reference too."""
+    case = make_case(TILE_EDGES + [(1100, 2)], H=3 * ratio, Hkv=3, D=D, bs=16, cache_dtype=cache_dtype,
+                     seed=D + ratio)
+    before = kernels.qlinear_isa()
+    try:
+        assert kernels.paged_int8_lanes(D) == (16 if D % 32 == 0 else 8)
+        wide = paged_attention(*case, 0.125)
+        assert kernels.set_qlinear_isa("avx2") == "avx2"
+        assert kernels.paged_int8_lanes(D) == 8
+        narrow = paged_attention(*case, 0.125)
+    finally:
+        kernels.set_qlinear_isa(before)
+    assert kernels.qlinear_isa() == before
+    assert torch.equal(wide, narrow)
+    if cache_dtype is torch.int8:
+        q_seen, scale_seen = int8_kernel_query(case[0], 0.125)
+        torch.testing.assert_close(wide.double(), reference(q_seen, *case[1:], scale_seen), **TOL[torch.float32])

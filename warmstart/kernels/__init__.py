@@ -186,6 +186,13 @@ def panel_threshold(int4: bool) -> int:
     return PANEL_MIN_ROWS
 
 
+def paged_int8_lanes(head_dim: int) -> int | None:
+    """8 or 16: the lanes of the paged-attention kernel's int8-cache tile step at this head_dim under the ISA in force
+    (16 where the CPU has AVX-512 VNNI, set_qlinear_isa allows it and head_dim is a multiple of 32); None without
+    the compiled kernel."""
+    return _native.int8_lanes(head_dim) if _native is not None else None
+
+
 def qlinear_isa() -> str | None:
     """The kernels in force: "amx-bf16" (AVX-512 VNNI integer kernels, and the panel route on AMX-BF16 tiles, where
     the CPU and Linux give them), "avx512-vnni" (vpdpbusd, 64 weights per instruction; float32 panels), "avx2", or
@@ -195,7 +202,8 @@ def qlinear_isa() -> str | None:
 
 def set_qlinear_isa(name: str) -> str | None:
     """Holds the kernels at "avx2" or "avx512-vnni", or allows "amx-bf16" (at most what the CPU has), for A/B runs
-    and tests; returns the level in force. One setting per process (all four modules share it)."""
+    and tests; returns the level in force. One setting per process (all four modules share it; paged attention's
+    int8-cache step follows it too)."""
     return _qlinear.set_isa(name) if _qlinear is not None else None
 
 

@@ -9,6 +9,7 @@
 // is computed. Queries arrive fp32 (the Python wrapper converts the small q tensor).
 //
 // Built with -O3 -mavx2 -mfma -mf16c on x86-64 (see setup.py); the scalar paths below are what other ISAs compile.
+// An int8 cache's tile step also has a 16-lane version (paged_attention_avx512.h) for CPUs with AVX-512 VNNI.
 #pragma once
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -28,6 +29,7 @@
 #define WS_AVX2 0
 #endif
 
+#include "isa.h"
 #include "pool.h"
 #include "vec_math.h"
 
@@ -397,6 +399,21 @@ __attribute__((always_inline)) inline void tile_step_i8(const int16_t* q16, cons
 }
 #endif
 
+}  // namespace ws::paged
+#include "paged_attention_avx512.h"  // the same tile step on 16 lanes (needs the definitions above)
+namespace ws::paged {
+
+// Whether an int8 cache of this head_dim takes the 16-lane step (paged_attention_avx512.h): the CPU has AVX-512
+// VNNI, the kernels may use it (isa.h), and head_dim is a multiple of 32.
+inline bool int8_wide(int64_t D) {
+#if WS_PAGED512
+  return ws::qlinear::isa_level() >= 2 && avx512::int8_usable(D);
+#else
+  (void)D;
+  return false;
+#endif
+}
+
 // q16/qs: the int8 integer path's query codes and scales (int8 caches with int8_integer_path(D)), else null.
 template <typename T>
 inline void tile_heads(int64_t G, const float* q, const int16_t* q16, const float* qs, int64_t D, const T* const* krow,
@@ -470,6 +487,9 @@ void run(const float* q, float* out, const T* kc, const T* vc, const int32_t* bt
 #else
   const bool int_path = false;
 #endif
+#if WS_PAGED512
+  const bool wide = int_path && int8_wide(D);
+#endif
 
   ws::pool::parallel_for(0, n_items * n_hgroups, 1, [&](int64_t begin, int64_t end) {
     thread_local Scratch sc;
@@ -523,10 +543,20 @@ void run(const float* q, float* out, const T* kc, const T* vc, const int32_t* bt
           const int64_t g = g0 + h;
           nx.ko = g * kc_s2;  // each head's pass prefetches its own rows of the next tile
           nx.vo = g * vc_s2;
-          tile_heads<T>(G, sc.q.data() + h * G * D, int_path ? sc.q16.data() + h * G * D : nullptr,
-                        int_path ? sc.qs.data() + h * G : nullptr, D, rows[cur][0], g * kc_s2, rows[cur][1],
-                        g * vc_s2, n, nx, sc.s.data(), sc.p.data(), sc.acc.data() + h * G * D, sc.m.data() + h * G,
-                        sc.l.data() + h * G);
+          const float* qh = sc.q.data() + h * G * D;
+          const int16_t* q16 = int_path ? sc.q16.data() + h * G * D : nullptr;
+          const float* qs = int_path ? sc.qs.data() + h * G : nullptr;
+          float *acc = sc.acc.data() + h * G * D, *m = sc.m.data() + h * G, *l = sc.l.data() + h * G;
+#if WS_PAGED512
+          if constexpr (kScaled<T>)
+            if (wide) {
+              avx512::tile_heads_i8(G, q16, qs, D, rows[cur][0], g * kc_s2, rows[cur][1], g * vc_s2, n, nx,
+                                    sc.s.data(), sc.p.data(), acc, m, l);
+              continue;
+            }
+#endif
+          tile_heads<T>(G, qh, q16, qs, D, rows[cur][0], g * kc_s2, rows[cur][1], g * vc_s2, n, nx, sc.s.data(),
+                        sc.p.data(), acc, m, l);
         }
         cur ^= 1;
         n = nn;
