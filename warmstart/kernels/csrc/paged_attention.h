@@ -285,6 +285,26 @@ inline int32_t hsum_epi32(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
+// s[i * ld + r] = (the sum of acc[r][i]'s int32 lanes) * qs_i * (K row r's scale): score_block_i8's reduction
+template <int R, int GH>
+inline void scores_from_i32(const __m256i (&acc)[R][GH], const int8_t* const* k, int64_t D, const float* qs,
+                            float* s, int64_t ld) {
+  float ks[R];
+  for (int r = 0; r < R; ++r) ks[r] = row_scale(k[r], D);
+  if constexpr (R == 4) {
+    const __m128 ksv = _mm_loadu_ps(ks);
+    for (int i = 0; i < GH; ++i) {
+      const __m256i t = _mm256_hadd_epi32(_mm256_hadd_epi32(acc[0][i], acc[1][i]),
+                                          _mm256_hadd_epi32(acc[2][i], acc[3][i]));
+      const __m128i x = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+      _mm_storeu_ps(s + i * ld, _mm_mul_ps(_mm_cvtepi32_ps(x), _mm_mul_ps(ksv, _mm_set1_ps(qs[i]))));
+    }
+  } else {
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < GH; ++i) s[i * ld + r] = static_cast<float>(hsum_epi32(acc[r][i])) * (ks[r] * qs[i]);
+  }
+}
+
 // s[i * ld + r] = (q16_i . k[r]) * qs_i * kscale_r for R rows and GH heads (exact integer dot products)
 template <int R, int GH>
 inline void score_block_i8(const int16_t* q, const float* qs, int64_t D, const int8_t* const* kp, int64_t ko,
@@ -301,20 +321,7 @@ inline void score_block_i8(const int16_t* q, const float* qs, int64_t D, const i
         acc[r][i] = _mm256_add_epi32(
             acc[r][i], _mm256_madd_epi16(kv, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i * D + c))));
     }
-  float ks[R];
-  for (int r = 0; r < R; ++r) ks[r] = row_scale(k[r], D);
-  if constexpr (R == 4) {
-    const __m128 ksv = _mm_loadu_ps(ks);
-    for (int i = 0; i < GH; ++i) {
-      const __m256i t = _mm256_hadd_epi32(_mm256_hadd_epi32(acc[0][i], acc[1][i]),
-                                          _mm256_hadd_epi32(acc[2][i], acc[3][i]));
-      const __m128i x = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
-      _mm_storeu_ps(s + i * ld, _mm_mul_ps(_mm_cvtepi32_ps(x), _mm_mul_ps(ksv, _mm_set1_ps(qs[i]))));
-    }
-  } else {
-    for (int r = 0; r < R; ++r)
-      for (int i = 0; i < GH; ++i) s[i * ld + r] = static_cast<float>(hsum_epi32(acc[r][i])) * (ks[r] * qs[i]);
-  }
+  scores_from_i32<R, GH>(acc, k, D, qs, s, ld);
 }
 
 template <int GH>

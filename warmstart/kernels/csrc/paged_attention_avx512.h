@@ -38,7 +38,7 @@ inline __m512 ld16(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
-// the sum of a 16-lane vector's halves (8 lanes), for the 8-lane reduction tree of score_block_i8 (paged_attention.h)
+// the sum of a 16-lane vector's halves (8 lanes), for scores_from_i32 (paged_attention.h)
 inline __m256i fold(__m512i a) {
   return _mm256_add_epi32(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1));
 }
@@ -60,21 +60,10 @@ inline void score_block_i8(const int16_t* q, const float* qs, int64_t D, const i
       for (int i = 0; i < GH; ++i) acc[r][i] = _mm512_dpwssd_epi32(acc[r][i], kv, qv[i]);
     }
   }
-  float ks[R];
-  for (int r = 0; r < R; ++r) ks[r] = row_scale(k[r], D);
-  if constexpr (R == 4) {
-    const __m128 ksv = _mm_loadu_ps(ks);
-    for (int i = 0; i < GH; ++i) {
-      const __m256i t = _mm256_hadd_epi32(_mm256_hadd_epi32(fold(acc[0][i]), fold(acc[1][i])),
-                                          _mm256_hadd_epi32(fold(acc[2][i]), fold(acc[3][i])));
-      const __m128i x = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
-      _mm_storeu_ps(s + i * ld, _mm_mul_ps(_mm_cvtepi32_ps(x), _mm_mul_ps(ksv, _mm_set1_ps(qs[i]))));
-    }
-  } else {
-    for (int r = 0; r < R; ++r)
-      for (int i = 0; i < GH; ++i)
-        s[i * ld + r] = static_cast<float>(_mm512_reduce_add_epi32(acc[r][i])) * (ks[r] * qs[i]);
-  }
+  __m256i half[R][GH];  // 16 lanes folded to 8, then the 8-lane step's reduction
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < GH; ++i) half[r][i] = fold(acc[r][i]);
+  scores_from_i32<R, GH>(half, k, D, qs, s, ld);
 }
 
 template <int GH>
