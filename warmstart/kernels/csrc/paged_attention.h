@@ -510,12 +510,21 @@ void run(const float* q, float* out, const T* kc, const T* vc, const int32_t* bt
     sc.qs.resize(int_path ? hpt * G : 0);
     // head-0 row pointers of the current tile and the next one (prefetched while the current one is computed)
     const T* rows[2][2][kTile];
+    // a task's item, query, first kv head, positions [p_begin, p_end) and block table
+    struct Span {
+      int64_t item, t, g0, p_begin, p_end;
+      const int32_t* table;
+    };
+    auto span = [&](int64_t task) {
+      const int64_t item = task / n_hgroups, t = item_t[item], p_begin = item_c[item] * kSplit;
+      return Span{item, t, (task % n_hgroups) * hpt, p_begin, std::min<int64_t>(ctx_lens[t], p_begin + kSplit),
+                  bt + int64_t(seq_idx[t]) * bt_stride};
+    };
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t item = task / n_hgroups, g0 = (task % n_hgroups) * hpt;
-      const int64_t t = item_t[item], c = item_c[item];
-      const int64_t ctx = ctx_lens[t];
-      const int64_t p_begin = c * kSplit, p_end = std::min(ctx, p_begin + kSplit);
-      const int32_t* table = bt + int64_t(seq_idx[t]) * bt_stride;
+      const Span cur_span = span(task);
+      const int64_t item = cur_span.item, t = cur_span.t, g0 = cur_span.g0;
+      const int64_t p_begin = cur_span.p_begin, p_end = cur_span.p_end;
+      const int32_t* table = cur_span.table;
       const float* qg = q + (t * H + g0 * G) * D;
       for (int64_t i = 0; i < hpt * G * D; ++i) sc.q[i] = qg[i] * scale;
 #if WS_AVX2
@@ -524,32 +533,41 @@ void run(const float* q, float* out, const T* kc, const T* vc, const int32_t* bt
       std::fill(sc.acc.begin(), sc.acc.end(), 0.f);
       std::fill(sc.m.begin(), sc.m.end(), -std::numeric_limits<float>::infinity());
       std::fill(sc.l.begin(), sc.l.end(), 0.f);
-      auto fill = [&](int64_t p0, const T** kr, const T** vr) {
-        const int64_t n = std::min(kTile, p_end - p0);
+      auto fill = [&](const int32_t* tb, int64_t p0, int64_t pe, const T** kr, const T** vr) {
+        const int64_t n = std::min(kTile, pe - p0);
         int64_t b = p0 / bs, off = p0 - b * bs;  // one division per tile, not per position
-        const T* kb = kc + int64_t(table[b]) * kc_s0;
-        const T* vb = vc + int64_t(table[b]) * vc_s0;
+        const T* kb = kc + int64_t(tb[b]) * kc_s0;
+        const T* vb = vc + int64_t(tb[b]) * vc_s0;
         for (int64_t j = 0; j < n; ++j, ++off) {
           if (off == bs) {
             off = 0;
             ++b;
-            kb = kc + int64_t(table[b]) * kc_s0;
-            vb = vc + int64_t(table[b]) * vc_s0;
+            kb = kc + int64_t(tb[b]) * kc_s0;
+            vb = vc + int64_t(tb[b]) * vc_s0;
           }
           kr[j] = kb + off * kc_s1;
           vr[j] = vb + off * vc_s1;
         }
         return n;
       };
+      // The tile after a task's last is the next task's first (this thread runs it next), prefetched the same way,
+      // so a task does not start on rows still in memory. Batch 8 x 2,048 positions (32 tasks of 512), caches
+      // cycled over 24 layers, on the 2-core Zen 4 EPYC, us per layer call, interleaved builds: float16 773/762 ->
+      // 698/710 at 2 threads, 1612/1616 -> 1442/1468 at 1; int8 616/612 -> 573/577 and 895/912 -> 844/835.
+      const Span nxt = task + 1 < end ? span(task + 1) : Span{0, 0, 0, 0, 0, nullptr};
       int cur = 0;
-      int64_t n = p_begin < p_end ? fill(p_begin, rows[0][0], rows[0][1]) : 0;
+      int64_t n = p_begin < p_end ? fill(table, p_begin, p_end, rows[0][0], rows[0][1]) : 0;
       for (int64_t p0 = p_begin; p0 < p_end; p0 += kTile) {
-        const int64_t nn = p0 + kTile < p_end ? fill(p0 + kTile, rows[cur ^ 1][0], rows[cur ^ 1][1]) : 0;
+        const bool last = p0 + kTile >= p_end;
+        const int64_t nn = !last ? fill(table, p0 + kTile, p_end, rows[cur ^ 1][0], rows[cur ^ 1][1])
+                           : nxt.p_begin < nxt.p_end
+                               ? fill(nxt.table, nxt.p_begin, nxt.p_end, rows[cur ^ 1][0], rows[cur ^ 1][1])
+                               : 0;
         Next<T> nx{rows[cur ^ 1][0], rows[cur ^ 1][1], nn, 0, 0, row_bytes};
         for (int64_t h = 0; h < hpt; ++h) {
           const int64_t g = g0 + h;
-          nx.ko = g * kc_s2;  // each head's pass prefetches its own rows of the next tile
-          nx.vo = g * vc_s2;
+          nx.ko = ((last ? nxt.g0 : g0) + h) * kc_s2;  // each head's pass prefetches its own rows of the next tile
+          nx.vo = ((last ? nxt.g0 : g0) + h) * vc_s2;
           const float* qh = sc.q.data() + h * G * D;
           const int16_t* q16 = int_path ? sc.q16.data() + h * G * D : nullptr;
           const float* qs = int_path ? sc.qs.data() + h * G : nullptr;
