@@ -350,10 +350,14 @@ inline void scale_cols(float* x, const float* f, int64_t n) {
 
 // The online-softmax update of one tile for GH heads: s (GH rows of kTile scores) -> p = exp(s - new max), with the
 // running max m, sum l and accumulators acc (GH rows of D) rescaled when the max grows. Always inlined: called out of
-// line (as gcc 12 chose inside the int8 tile step) the int8 step ran 20% slower.
-template <int GH>
+// line (as gcc 12 chose inside the int8 tile step) the int8 step ran 20% slower. exps: exp_sum, or the same on
+// wider vectors (paged_attention_avx512.h).
+struct ExpSum8 {
+  float operator()(const float* s, float* p, int64_t n, float m) const { return exp_sum(s, p, n, m); }
+};
+template <int GH, typename ExpSum = ExpSum8>
 __attribute__((always_inline)) inline void softmax_tile(const float* s, float* p, int64_t n, float* acc, int64_t D,
-                                                        float* m, float* l) {
+                                                        float* m, float* l, ExpSum exps = {}) {
   for (int i = 0; i < GH; ++i) {
     const float* si = s + i * kTile;
     const float mt = row_max(si, n);
@@ -364,7 +368,7 @@ __attribute__((always_inline)) inline void softmax_tile(const float* s, float* p
       scale_row(acc + i * D, cr, D);
     }
     m[i] = mnew;
-    l[i] += exp_sum(si, p + i * kTile, n, mnew);
+    l[i] += exps(si, p + i * kTile, n, mnew);
   }
 }
 
