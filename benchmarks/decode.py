@@ -346,12 +346,14 @@ def main() -> int:
 
     if want("load"):
         # under load: busy loops on every core vs quiet; the default (the kernels' pool, OpenMP passive without spin,
-        # one pinned thread per CPU) vs not pinned, the OpenMP team spinning 100,000, and active wait. Loaded decode is
+        # one pinned thread per CPU, a step's team shrinking while the host is busy) vs a fixed team, not pinned, the
+        # OpenMP team spinning 100,000, and active wait. Loaded decode is
         # bimodal when threads are not pinned (the scheduler may stack both on one core), so it is sampled `rounds`
         # times: the median, and the worst sample.
         load = {}
         boot_seconds()                                          # prime: import the model and write the plan once
-        policies = {"default (kernel pool, OpenMP PASSIVE no spin, pinned)": {},
+        policies = {"default (kernel pool, OpenMP PASSIVE no spin, pinned, adaptive team)": {},
+                    "fixed team (WARMSTART_ADAPTIVE_THREADS=0)": {"WARMSTART_ADAPTIVE_THREADS": "0"},
                     "not pinned": {"WARMSTART_PIN_THREADS": "0"},
                     "OpenMP team, spin 100000 (the old default)": {"WARMSTART_THREAD_POOL": "0",
                                                                    "GOMP_SPINCOUNT": "100000"},

@@ -18,6 +18,7 @@ from warmstart.errors import UserError
 from warmstart.models.registry import build_model
 from warmstart.models.spec import ModelSpec
 from warmstart.runner.affinity import StepPinning
+from warmstart.runner.step_threads import StepThreads
 from warmstart.runner.runner import ModelRunner
 from warmstart.sampling_params import SamplingParams
 from warmstart.spec import SpecStats
@@ -223,11 +224,12 @@ def _boot_engine(config: EngineConfig, timer: StepTimer, shard: Shard) -> Booted
         proposer = DraftProposer(shard.draft_runner)
     elif config.spec_method == "ngram":
         proposer = NgramProposer()
+    settings = threads.current()
     engine = Engine(runner, SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, max_model_len),
                     ledger.num_kv_blocks, ledger.block_size, spec.vocab_size, spec.eos_token_ids,
                     shard.tokenizer.decode, enable_prefix_caching=config.enable_prefix_caching, proposer=proposer,
                     num_speculative_tokens=config.num_speculative_tokens,
-                    pinning=StepPinning(threads.current().pin_cpus))
+                    step_threads=StepThreads(settings.threads, StepPinning(settings.pin_cpus), settings.adaptive))
     with timer.step("prefix restore"):
         # Under TP the cache is split over ranks and the store holds one process's blocks: not persisted (the
         # in-memory prefix cache works as on one device).

@@ -71,7 +71,10 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
                         "(OMP_WAIT_POLICY=PASSIVE, GOMP_SPINCOUNT=0) unless the environment sets those. When the "
                         "threads match the CPUs one to one, "
                         "each thread is pinned to its own CPU while a step runs (WARMSTART_PIN_THREADS=0 turns that "
-                        "off; OMP_PROC_BIND/OMP_PLACES in the environment win); the startup report shows it")
+                        "off; OMP_PROC_BIND/OMP_PLACES in the environment win). While other processes keep the "
+                        "cores busy (this thread waits for a CPU a quarter of its step time or more) a step runs on "
+                        "fewer threads, and on all of them again once the host is quiet "
+                        "(WARMSTART_ADAPTIVE_THREADS=0 keeps them fixed); the startup report shows all of it")
     g = p.add_argument_group("tensor parallel")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="shard the model over N ranks (processes this command launches; gloo on CPU, NCCL on "

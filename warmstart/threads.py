@@ -27,6 +27,10 @@ as a whole (the OpenMP team spinning 100,000), separate processes interleaved, 4
 slowed down 2.13x (median of 12 quiet/loaded pairs) vs 2.38x, loaded 34.6 vs 30.7 tok/s, quiet 75.4 vs 74.9, and
 batch 32 290-334 tok/s (median 307) vs 279-375 (332), within this host's spread. A user's own GOMP_SPINCOUNT wins.
 
+Why a step's team shrinks while the host is busy (runner/step_threads.py): with every core shared with a busy
+process, the threads of a parallel step take turns on their cores independently and mostly wait for each other;
+one thread decoded 1.7x faster than two there (177 vs 104 tok/s at batch 1), and as fast as it does on a quiet host.
+
 No torch import here: this module runs before torch exists in the process."""
 from __future__ import annotations
 
@@ -54,12 +58,14 @@ class ThreadSettings:
     pin_cpus: tuple[int, ...] | None = None   # team thread t runs on pin_cpus[t] during a step; None: not pinned
     pinning: str = ""             # why pin_cpus is what it is
     kernel_pool: bool = True      # the compiled kernels' loops run on their own pool (WARMSTART_THREAD_POOL=0: off)
+    adaptive: bool = True         # a step's team shrinks while the host is busy (runner/step_threads.py;
+                                  # WARMSTART_ADAPTIVE_THREADS=0: off)
 
     def to_dict(self) -> dict:
         return {"threads": self.threads, "available_cpus": self.available_cpus, "wait_policy": self.wait_policy,
                 "policy_source": self.policy_source, "spin_count": self.spin_count,
                 "pin_cpus": list(self.pin_cpus) if self.pin_cpus else None, "pinning": self.pinning,
-                "kernel_pool": self.kernel_pool}
+                "kernel_pool": self.kernel_pool, "adaptive": self.adaptive and self.threads > 1}
 
 
 def available_cpus() -> int:
@@ -119,11 +125,13 @@ def configure(threads: int | None = None) -> ThreadSettings:
             torch.set_num_threads(n)
     pin, why = _pin_cpus(n, avail)
     pool = _env_flag("WARMSTART_THREAD_POOL")
-    _settings = ThreadSettings(n, avail, policy, source, os.environ.get("GOMP_SPINCOUNT"), pin, why, pool)
+    _settings = ThreadSettings(n, avail, policy, source, os.environ.get("GOMP_SPINCOUNT"), pin, why, pool,
+                               _env_flag(ADAPTIVE_ENV))
     return _settings
 
 
 PIN_ENV = "WARMSTART_PIN_THREADS"
+ADAPTIVE_ENV = "WARMSTART_ADAPTIVE_THREADS"
 _USER_PLACEMENT = ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY")
 
 

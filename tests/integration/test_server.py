@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import time
 
 import httpx
@@ -361,3 +362,4 @@ def test_metrics_cover_requests_tokens_kv_and_boot(server, client):
                    'warmstart_weights_source{source="disk"}', "warmstart_startup_seconds", "warmstart_ready 1.0"):
         assert needle in text, needle
     assert server.metric("warmstart_kv_blocks_allocated") > 0
+    assert 1 <= server.metric("warmstart_step_threads") <= (os.cpu_count() or 1)   # the last step's team

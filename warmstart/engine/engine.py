@@ -41,9 +41,9 @@ class Engine:
                  vocab_size: int, eos_token_ids: tuple[int, ...] = (),
                  decode: Callable[[list[int]], str] | None = None, enable_prefix_caching: bool = True,
                  proposer=None, num_speculative_tokens: int = 0,
-                 pinning: Callable[[], ContextManager[None]] = contextlib.nullcontext):
+                 step_threads: Callable[[], ContextManager[None]] = contextlib.nullcontext):
         self.executor, self.limits, self.vocab_size = executor, limits, vocab_size
-        self.pinning = pinning                   # a step's threads pinned while it runs (runner/affinity.py)
+        self.step_threads = step_threads         # a step's team size and pinning (runner/step_threads.py)
         self.blocks = BlockManager(num_blocks, block_size, enable_caching=enable_prefix_caching)
         # Speculative decoding (warmstart/spec): the proposer drafts up to K tokens per decoding sequence, the
         # runner verifies them in the step's one target forward.
@@ -109,7 +109,7 @@ class Engine:
 
     # -- the step -------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        with self.pinning():
+        with self.step_threads():
             return self._step()
 
     def _step(self) -> list[RequestOutput]:

@@ -87,6 +87,8 @@ class Metrics:
         self.weights_source = Gauge("warmstart_weights_source", "1 for where this boot's weights came from",
                                     ["source"], registry=r)
         self.kv_cache_bytes = Gauge("warmstart_kv_cache_bytes", "KV cache bytes allocated at boot", registry=r)
+        self.step_threads = Gauge("warmstart_step_threads", "Threads the last engine step ran on (fewer while the "
+                                  "host is busy: runner/step_threads.py)", registry=r)
         self.cached_prompt_tokens = Counter("warmstart_cached_prompt_tokens",
                                             "Prompt tokens whose K/V came from the prefix cache", registry=r)
         self.prefix_queried_tokens = Counter("warmstart_prefix_cache_queried_tokens",
@@ -129,6 +131,9 @@ class Metrics:
         self.kv_usage.set(used / total if total else 0.0)
         self.running.set(len(engine.scheduler.running))
         self.waiting.set(len(engine.scheduler.waiting))
+        team = getattr(engine.step_threads, "team", None)
+        if team is not None:
+            self.step_threads.set(team)
         v, name = self.vllm, self.vllm.model_name
         v.running.labels(name).set(len(engine.scheduler.running))
         v.waiting.labels(name).set(len(engine.scheduler.waiting))
