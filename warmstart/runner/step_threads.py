@@ -15,8 +15,8 @@ accounting), as a share of its step time over a window of WINDOW_S of step time;
 to the threads the host gives it (threads x (1 - share), at least one). Growing cannot use that share: a thread
 alone often gets a core to itself while the busy processes share the others (its share then reads near 0 though a
 second thread would bring the contention back). So a smaller team grows back when the CPUs this process may use had
-at least half a CPU idle per missing thread over the window (idle time in /proc/stat), and tries the full team every
-PROBE_S of step time anyway (a window at full size decides again). Results do not depend on the team size
+IDLE_PER_THREAD of a CPU idle per missing thread over the window (idle time in /proc/stat), and tries the full team
+every PROBE_S of step time anyway (a window at full size decides again). Results do not depend on the team size
 (kernels/csrc/pool.h: chunk boundaries never change a result). WARMSTART_ADAPTIVE_THREADS=0 keeps the team fixed."""
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ log = logging.getLogger("warmstart")
 
 WINDOW_S = 0.1      # step time per decision
 BUSY = 0.25         # run-queue wait share at which the team shrinks (two busy loops on 2 cores: 0.50 at 2 threads)
-QUIET = 0.1         # share under which a smaller team grows back (one thread under two busy loops: 0.26)
+IDLE_PER_THREAD = 0.5  # idle CPU per missing thread at which a smaller team grows back
 PROBE_S = 5.0       # step time between tries of the full team while smaller
 
 
@@ -87,8 +87,8 @@ class StepThreads:
     only a full team). Decisions are per calling thread's measurements; one engine steps from one thread."""
 
     def __init__(self, threads: int, pinning: Callable[[], ContextManager[None]], adaptive: bool = True,
-                 wait_s: Callable[[], float | None] = run_queue_wait_s, idle_cpus: Callable[[], float | None] | None = None,
-                 clock: Callable[[], float] = time.perf_counter):
+                 wait_s: Callable[[], float | None] = run_queue_wait_s,
+                 idle_cpus: Callable[[], float | None] | None = None, clock: Callable[[], float] = time.perf_counter):
         self.full = max(1, threads)
         self.pinning = pinning
         self.wait_s, self.clock = wait_s, clock
@@ -141,7 +141,7 @@ class StepThreads:
         if self.team == self.full:
             if share >= BUSY:
                 self._set(max(1, min(self.team - 1, round(self.team * (1.0 - share)))), share, idle, "busy")
-        elif idle is not None and idle >= 0.5 * (self.full - self.team):
+        elif idle is not None and idle >= IDLE_PER_THREAD * (self.full - self.team):
             self._set(self.full, share, idle, "quiet")
         elif self._since_full >= PROBE_S:
             self._set(self.full, share, idle, "probe")
@@ -154,7 +154,7 @@ class StepThreads:
         self.changes.append(TeamChange(round(self._total, 3), team, round(share, 3),
                                        None if idle is None else round(idle, 2), reason))
         del self.changes[:-64]
-        if reason == "busy" and not after_probe:      # a probe, and its answer while the host is still busy, are routine
+        if reason == "busy" and not after_probe:  # a probe, and its answer while the host is still busy: routine
             log.info("step threads %d -> %d: the host is busy (this thread waited for a CPU %.0f%% of its step time)",
                      before, team, 100 * share)
         elif reason == "quiet":
