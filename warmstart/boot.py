@@ -18,8 +18,8 @@ from warmstart.errors import UserError
 from warmstart.models.registry import build_model
 from warmstart.models.spec import ModelSpec
 from warmstart.runner.affinity import StepPinning
-from warmstart.runner.step_threads import StepThreads
 from warmstart.runner.runner import ModelRunner
+from warmstart.runner.step_threads import StepThreads
 from warmstart.sampling_params import SamplingParams
 from warmstart.spec import SpecStats
 from warmstart.spec.proposer import DraftProposer, NgramProposer
