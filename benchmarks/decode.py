@@ -17,10 +17,11 @@ stack's step) at 40 and 2,048 tokens of context; batch 32 (warmstart vs transfor
 context scaling (batch 8 at 128 vs 2,048 tokens of context, KV cache auto = fp16, fp32 and int8; and, for auto and
 int8, both contexts alternated in one process, so each ratio's two sides see the same host); under load
 (batch 1 and a plan-hit boot while busy loops hold every core, vs quiet; warmstart's default: the kernels' own
-pool, OpenMP passive without spin, one pinned thread per CPU; vs not pinned, the OpenMP team spinning 100,000 (the
-old default), active wait; and the default's quiet and loaded decode
-alternated in one process, as is llama.cpp's for reference, beside one quiet thread's rate: the proportional
-reference for one core's worth of CPU); the physical limits (measured read bandwidth, the batch-1 bound for each
+pool, OpenMP passive without spin, one pinned thread per CPU, a step's team shrinking while the host is busy; vs a
+fixed team, not pinned, the OpenMP team spinning 100,000 (the old default), active wait; the default's quiet and
+loaded decode alternated in one process, as is llama.cpp's for reference, beside one quiet thread's rate: the
+proportional reference for one core's worth of CPU; and the adaptive team against a fixed one, separate processes
+alternated under one load); the physical limits (measured read bandwidth, the batch-1 bound for each
 weight format, and the best 2048/128 ratio the extra K/V reads allow for each cache dtype).
 The tables and the limits are printed by decode_report.py; this file runs the workers and the driver.
 """
@@ -373,6 +374,15 @@ def main() -> int:
         res["under_load_paired"] = (spawn("ws_paired", {"kind": "load", **one, "rounds": paired_rounds})
                                     or {}).get("pairs")
         print("under load, paired:", json.dumps(res["under_load_paired"]), flush=True)
+        # the adaptive team against a fixed one under one continuous load, separate processes alternated: single
+        # loaded rows swing with where the scheduler puts the busy loops, so the two are compared side by side
+        ab: dict[str, list] = {"adaptive": [], "fixed": []}
+        with Load(available_cpus()):
+            for _ in range(paired_rounds):
+                ab["adaptive"].append((spawn("ws", one) or {}).get("tok_s"))
+                ab["fixed"].append((spawn("ws", one, {"WARMSTART_ADAPTIVE_THREADS": "0"}) or {}).get("tok_s"))
+        res["under_load_adaptive_ab"] = ab
+        print("under load, adaptive vs fixed team:", json.dumps(ab), flush=True)
         if have_llama:                                          # the peer under the same load, for reference
             res["under_load_paired_llama"] = (spawn("llama_paired", {**one, "gguf": gguf_path, "threads": threads,
                                                                      "rounds": paired_rounds, "cpus": available_cpus()})
