@@ -19,8 +19,9 @@ int8, both contexts alternated in one process, so each ratio's two sides see the
 (batch 1 and a plan-hit boot while busy loops hold every core, vs quiet; warmstart's default: the kernels' own
 pool, OpenMP passive without spin, one pinned thread per CPU, a step's team shrinking while the host is busy; vs a
 fixed team, not pinned, the OpenMP team spinning 100,000 (the old default), active wait; the default's quiet and
-loaded decode alternated in one process, as is llama.cpp's for reference, beside one quiet thread's rate: the
-proportional reference for one core's worth of CPU; and the adaptive team against a fixed one, separate processes
+loaded decode alternated in one process, as is llama.cpp's for reference, with the cores each side used per round
+(the slowdown in proportion to the CPU the busy loops left), beside one quiet thread's rate: the proportional
+reference for one core's worth of CPU; and the adaptive team against a fixed one, separate processes
 alternated under one load); the physical limits (measured read bandwidth, the batch-1 bound for each
 weight format, and the best 2048/128 ratio the extra K/V reads allow for each cache dtype).
 The tables and the limits are printed by decode_report.py; this file runs the workers and the driver.
@@ -108,20 +109,49 @@ def worker_ws_paired(a: dict) -> dict:
     ctxs = (128, 2048) if a["kind"] == "context" else (a["ctx"],)
     llm, runner = _ws_engine(a, max(ctxs))
     if a["kind"] == "load":
-        return {"pairs": _load_pairs(runner(a["ctx"]), a, available_cpus())}
+        pairs, cpu = _load_pairs(runner(a["ctx"]), a, available_cpus())
+        return {"pairs": pairs, "cpu": cpu}
     ledger = llm.booted.ledger                              # K and V of every layer, one token: the bytes a decode
     return {"pairs": [[_rate(runner(c), a["batch"], a["n"])["tok_s"] for c in ctxs] for _ in range(a["rounds"])],
             "kv_bytes_per_token": ledger.kv_block_bytes / ledger.block_size}   # step reads per context position
 
 
-def _load_pairs(run, a: dict, cpus: int) -> list[list[float]]:
-    """[quiet, loaded] tok/s per round: the same run without, then with, busy loops on `cpus` cores."""
-    pairs = []
+def _load_pairs(run, a: dict, cpus: int) -> tuple[list[list[float]], list[dict]]:
+    """[quiet, loaded] tok/s per round: the same run without, then with, busy loops on `cpus` cores; and per round
+    the CPU each side had, in cores (CPU seconds over wall seconds): the engine's own, quiet and loaded, and what
+    the busy loops took while the engine ran loaded (the CPU they left it is `cpus` minus that)."""
+    pairs, cpu = [], []
     for _ in range(a["rounds"]):
+        run(a["n"])                 # settle: an adaptive team grows back after the last round's load (~0.1 s)
+        own = _CpuClock()
         quiet = _rate(run, a["batch"], a["n"])["tok_s"]
-        with Load(cpus):
-            pairs.append([quiet, _rate(run, a["batch"], a["n"])["tok_s"]])
-    return pairs
+        quiet_cores = own.cores()
+        with Load(cpus) as load:
+            own, loops = _CpuClock(), _CpuClock([p.pid for p in load.procs])
+            loaded = _rate(run, a["batch"], a["n"])["tok_s"]
+            cpu.append({"quiet_engine": quiet_cores, "loaded_engine": own.cores(), "loaded_loops": loops.cores()})
+        pairs.append([quiet, loaded])
+    return pairs, cpu
+
+
+class _CpuClock:
+    """CPU seconds per wall second (cores in use) since it was made: of this process (every thread), or of the
+    processes `pids` (from /proc/<pid>/stat's utime and stime)."""
+
+    def __init__(self, pids: list[int] | None = None):
+        self.pids = pids
+        self.t0, self.c0 = time.perf_counter(), self._cpu()
+
+    def _cpu(self) -> float:
+        if self.pids is None:
+            t = os.times()
+            return t.user + t.system
+        tick = os.sysconf("SC_CLK_TCK")
+        fields = (Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split() for p in self.pids)
+        return sum(int(f[11]) + int(f[12]) for f in fields) / tick
+
+    def cores(self) -> float:
+        return (self._cpu() - self.c0) / (time.perf_counter() - self.t0)
 
 
 def _time_kernels() -> dict:
@@ -180,7 +210,8 @@ def worker_llama(a: dict) -> dict:
 def worker_llama_paired(a: dict) -> dict:
     """llama.cpp's batch-1 decode quiet vs loaded, alternated as worker_ws_paired does: the peer's slowdown under
     the same load. (The peers' venv need not import warmstart: the caller passes the core count.)"""
-    return {"pairs": _load_pairs(_llama_run(a), {**a, "batch": 1}, a["cpus"])}
+    pairs, cpu = _load_pairs(_llama_run(a), {**a, "batch": 1}, a["cpus"])
+    return {"pairs": pairs, "cpu": cpu}
 
 
 def worker_bandwidth(a: dict) -> dict:
@@ -271,7 +302,7 @@ def main() -> int:
     if not have_llama:
         print("llama.cpp: skipped (.venv-peers has no llama_cpp; build it with "
               "`python3 -m venv .venv-peers && .venv-peers/bin/pip install llama-cpp-python==0.3.36`)")
-    res: dict = {"threads": threads, "new_tokens": n, "rounds": rounds}
+    res: dict = {"threads": threads, "cpus": available_cpus(), "new_tokens": n, "rounds": rounds}
     want = lambda section: not args.only or section in args.only  # noqa: E731
     paired_rounds = rounds if args.quick else max(4, rounds)
 
@@ -371,8 +402,8 @@ def main() -> int:
             print(f"under load, {policy}:", json.dumps(load[policy]), flush=True)
         res["under_load"] = load
         # the default policy's quiet and loaded decode in one process, alternated: [quiet, loaded] tok/s per round
-        res["under_load_paired"] = (spawn("ws_paired", {"kind": "load", **one, "rounds": paired_rounds})
-                                    or {}).get("pairs")
+        paired = spawn("ws_paired", {"kind": "load", **one, "rounds": paired_rounds}) or {}
+        res["under_load_paired"], res["under_load_cpu"] = paired.get("pairs"), paired.get("cpu")
         print("under load, paired:", json.dumps(res["under_load_paired"]), flush=True)
         # the adaptive team against a fixed one under one continuous load, separate processes alternated: single
         # loaded rows swing with where the scheduler puts the busy loops, so the two are compared side by side
@@ -384,9 +415,9 @@ def main() -> int:
         res["under_load_adaptive_ab"] = ab
         print("under load, adaptive vs fixed team:", json.dumps(ab), flush=True)
         if have_llama:                                          # the peer under the same load, for reference
-            res["under_load_paired_llama"] = (spawn("llama_paired", {**one, "gguf": gguf_path, "threads": threads,
-                                                                     "rounds": paired_rounds, "cpus": available_cpus()})
-                                              or {}).get("pairs")
+            paired = spawn("llama_paired", {**one, "gguf": gguf_path, "threads": threads, "rounds": paired_rounds,
+                                            "cpus": available_cpus()}) or {}
+            res["under_load_paired_llama"], res["under_load_cpu_llama"] = paired.get("pairs"), paired.get("cpu")
             print("under load, paired, llama.cpp:", json.dumps(res["under_load_paired_llama"]), flush=True)
         # the proportional reference: loaded, the engine has about one core's worth of CPU time; one quiet thread is
         # what one core's worth does at full efficiency

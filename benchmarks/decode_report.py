@@ -73,6 +73,7 @@ def report(res: dict) -> None:
                 print(f"\n{who}, quiet and loaded alternated in one process: loaded tok/s per round "
                       f"{', '.join(_f(l) for _, l in res[key])}; slowdown per round "
                       f"{', '.join(f'{x:.2f}x' for x in slow)}; median {statistics.median(slow):.2f}x{goal}")
+                cpu_share_table(res[key], res.get(key.replace("paired", "cpu")), res.get("cpus"))
                 one = res.get("quiet_one_thread_tok_s")
                 if key == "under_load_paired" and one:
                     quiet = statistics.median(q for q, _ in res[key])
@@ -87,6 +88,20 @@ def report(res: dict) -> None:
               f"tok/s vs fixed team {', '.join(_f(x) for x in ab['fixed'])}; medians {a:.1f} vs {f:.1f} "
               f"({a / f:.2f}x)")
     print(f"\nmeasured read bandwidth: {_f(bw, 1)} GB/s")
+
+
+def cpu_share_table(pairs: list, cpu: list | None, cpus: int | None) -> None:
+    """Per round of a quiet/loaded pair: the cores each side used (CPU seconds per wall second) and the slowdown
+    set against the CPU the engine had. 'in proportion' = quiet cores / the cores the busy loops left it: the
+    slowdown of an engine that kept its quiet speed per core on whatever CPU the load left."""
+    if not cpu or not cpus:
+        return
+    print("   | round | tok/s quiet -> loaded | slowdown | engine cores quiet -> loaded | busy loops' cores | "
+          f"cores left (of {cpus}) | slowdown in proportion to the cores left |\n   |---|---|---|---|---|---|---|")
+    for i, ((q, l), c) in enumerate(zip(pairs, cpu), 1):
+        left = cpus - c["loaded_loops"]
+        print(f"   | {i} | {_f(q)} -> {_f(l)} | {q / l:.2f}x | {c['quiet_engine']:.2f} -> {c['loaded_engine']:.2f} | "
+              f"{c['loaded_loops']:.2f} | {left:.2f} | {c['quiet_engine'] / left:.2f}x |")
 
 
 def context_bound(batch: int, tok_s_128: float, kv_bytes_per_token: float | None, bw_gb_s: float | None,
