@@ -99,7 +99,7 @@ def cpu_share_table(pairs: list, cpu: list | None, cpus: int | None) -> None:
     print("   | round | tok/s quiet -> loaded | slowdown | engine cores quiet -> loaded | busy loops' cores | "
           f"cores left (of {cpus}) | slowdown in proportion to the cores left |\n   |---|---|---|---|---|---|---|")
     for i, ((q, l), c) in enumerate(zip(pairs, cpu), 1):
-        left = cpus - c["loaded_loops"]
+        left = max(cpus - c["loaded_loops"], 0.01)             # (the loops can leave next to nothing)
         print(f"   | {i} | {_f(q)} -> {_f(l)} | {q / l:.2f}x | {c['quiet_engine']:.2f} -> {c['loaded_engine']:.2f} | "
               f"{c['loaded_loops']:.2f} | {left:.2f} | {c['quiet_engine'] / left:.2f}x |")
 
