@@ -66,14 +66,16 @@ def report(res: dict) -> None:
             print(f"| {p} | {_f(v['quiet_tok_s'])} | {_f(v['loaded_tok_s'])} (median) | {_f(sd, 2)}x | {samples} | "
                   f"{_f(v['quiet_boot_s'], 2)} | {_f(v['loaded_boot_s'], 2)} | "
                   f"{_f(v['loaded_boot_s'] / v['quiet_boot_s'], 2)}x |")
-        for who, key, goal in (("warmstart, default policy", "under_load_paired", " (goal <= 2)"),
-                               ("llama.cpp, same GGUF and threads (reference)", "under_load_paired_llama", "")):
+        for who, key, cpu_key, goal in (("warmstart, default policy", "under_load_paired", "under_load_cpu",
+                                         " (goal <= 2)"),
+                                        ("llama.cpp, same GGUF and threads (reference)", "under_load_paired_llama",
+                                         "under_load_cpu_llama", "")):
             if res.get(key):
                 slow = [q / l for q, l in res[key]]
                 print(f"\n{who}, quiet and loaded alternated in one process: loaded tok/s per round "
                       f"{', '.join(_f(l) for _, l in res[key])}; slowdown per round "
                       f"{', '.join(f'{x:.2f}x' for x in slow)}; median {statistics.median(slow):.2f}x{goal}")
-                cpu_share_table(res[key], res.get(key.replace("paired", "cpu")), res.get("cpus"))
+                cpu_share_table(res[key], res.get(cpu_key), res.get("cpus"))
                 one = res.get("quiet_one_thread_tok_s")
                 if key == "under_load_paired" and one:
                     quiet = statistics.median(q for q, _ in res[key])
