@@ -15,15 +15,16 @@ llama-cpp-python in a separate venv `.venv-peers`, HF transformers fp32), and wh
 (quantized matmuls, paged attention, the rest = glue; timed in the Python layer loop, beside the compiled decoder
 stack's step) at 40 and 2,048 tokens of context; batch 32 (warmstart vs transformers, each in its fastest dtype);
 context scaling (batch 8 at 128 vs 2,048 tokens of context, KV cache auto = fp16, fp32 and int8; and, for auto and
-int8, both contexts alternated in one process, so each ratio's two sides see the same host); under load
-(batch 1 and a plan-hit boot while busy loops hold every core, vs quiet; warmstart's default: the kernels' own
-pool, OpenMP passive without spin, one pinned thread per CPU, a step's team shrinking while the host is busy; vs a
-fixed team, not pinned, the OpenMP team spinning 100,000 (the old default), active wait; the default's quiet and
-loaded decode alternated in one process, as is llama.cpp's for reference, with the cores each side used per round
-(the slowdown in proportion to the CPU the busy loops left), beside one quiet thread's rate: the proportional
-reference for one core's worth of CPU; and the adaptive team against a fixed one, separate processes
-alternated under one load); the physical limits (measured read bandwidth, the batch-1 bound for each
-weight format, and the best 2048/128 ratio the extra K/V reads allow for each cache dtype).
+int8, both contexts alternated in one process, so each ratio's two sides see the same host); under load (batch 1 and
+a plan-hit boot while busy loops hold every core, vs quiet; warmstart's default: the kernels' own pool, OpenMP
+passive without spin, one pinned thread per CPU, a step's team chosen by rate while the host is busy; vs a fixed
+team, not pinned, the OpenMP team spinning 100,000 (the old default), active wait; the default's quiet and loaded
+decode alternated in one process, as is llama.cpp's for reference, with the cores each side used per round (the
+slowdown in proportion to the CPU the busy loops left), beside one quiet thread's rate: the proportional reference
+for one core's worth of CPU; and the adaptive team against a fixed one, separate processes alternated under one
+load, at batch 1 and at batch 32 (there with one thread beside them)); the physical limits (measured read bandwidth,
+the batch-1 bound for each weight format, and the best 2048/128 ratio the extra K/V reads allow for each cache
+dtype).
 The tables and the limits are printed by decode_report.py; this file runs the workers and the driver.
 """
 from __future__ import annotations
@@ -378,8 +379,8 @@ def main() -> int:
 
     if want("load"):
         # under load: busy loops on every core vs quiet; the default (the kernels' pool, OpenMP passive without spin,
-        # one pinned thread per CPU, a step's team shrinking while the host is busy) vs a fixed team, not pinned, the
-        # OpenMP team spinning 100,000, and active wait. Loaded decode is
+        # one pinned thread per CPU, a step's team chosen by rate while the host is busy) vs a fixed team, not pinned,
+        # the OpenMP team spinning 100,000, and active wait. Loaded decode is
         # bimodal when threads are not pinned (the scheduler may stack both on one core), so it is sampled `rounds`
         # times: the median, and the worst sample.
         load = {}
@@ -414,6 +415,17 @@ def main() -> int:
                 ab["fixed"].append((spawn("ws", one, {"WARMSTART_ADAPTIVE_THREADS": "0"}) or {}).get("tok_s"))
         res["under_load_adaptive_ab"] = ab
         print("under load, adaptive vs fixed team:", json.dumps(ab), flush=True)
+        # the same at batch 32, where the full team stays the faster one under load (the adaptive team chooses by
+        # the rate its steps get), with one thread beside them (what a team that always shrank would get)
+        b32 = {**one, "batch": 32}
+        ab = {"adaptive": [], "fixed": [], "one thread": []}
+        with Load(available_cpus()):
+            for _ in range(paired_rounds):
+                ab["adaptive"].append((spawn("ws", b32) or {}).get("tok_s"))
+                ab["fixed"].append((spawn("ws", b32, {"WARMSTART_ADAPTIVE_THREADS": "0"}) or {}).get("tok_s"))
+                ab["one thread"].append((spawn("ws", {**b32, "threads": 1}) or {}).get("tok_s"))
+        res["under_load_adaptive_ab_b32"] = ab
+        print("under load, batch 32, adaptive vs fixed team vs one thread:", json.dumps(ab), flush=True)
         if have_llama:                                          # the peer under the same load, for reference
             paired = spawn("llama_paired", {**one, "gguf": gguf_path, "threads": threads, "rounds": paired_rounds,
                                             "cpus": available_cpus()}) or {}

@@ -83,12 +83,14 @@ def report(res: dict) -> None:
                           f"one core's worth of CPU; one quiet thread decodes {one:.1f} tok/s, so an engine that used "
                           f"that share as well as one quiet thread would slow down {quiet / one:.2f}x (its quiet "
                           f"{quiet:.1f} tok/s on {res['threads']} threads / {one:.1f})")
-    ab = res.get("under_load_adaptive_ab")
-    if ab and all(x for x in ab["adaptive"] + ab["fixed"]):
-        a, f = statistics.median(ab["adaptive"]), statistics.median(ab["fixed"])
-        print(f"\nunder load, separate processes alternated: adaptive team {', '.join(_f(x) for x in ab['adaptive'])} "
-              f"tok/s vs fixed team {', '.join(_f(x) for x in ab['fixed'])}; medians {a:.1f} vs {f:.1f} "
-              f"({a / f:.2f}x)")
+    for key, batch in (("under_load_adaptive_ab", 1), ("under_load_adaptive_ab_b32", 32)):
+        ab = res.get(key)
+        if ab and all(x for xs in ab.values() for x in xs):
+            med = {k: statistics.median(v) for k, v in ab.items()}
+            print(f"\nunder load, batch {batch}, separate processes alternated (tok/s): "
+                  + "; ".join(f"{k} {', '.join(_f(x) for x in v)}" for k, v in ab.items())
+                  + "; medians " + " vs ".join(f"{m:.1f}" for m in med.values())
+                  + f" (adaptive / fixed {med['adaptive'] / med['fixed']:.2f}x)")
     print(f"\nmeasured read bandwidth: {_f(bw, 1)} GB/s")
 
 

@@ -27,9 +27,10 @@ as a whole (the OpenMP team spinning 100,000), separate processes interleaved, 4
 slowed down 2.13x (median of 12 quiet/loaded pairs) vs 2.38x, loaded 34.6 vs 30.7 tok/s, quiet 75.4 vs 74.9, and
 batch 32 290-334 tok/s (median 307) vs 279-375 (332), within this host's spread. A user's own GOMP_SPINCOUNT wins.
 
-Why a step's team shrinks while the host is busy (runner/step_threads.py): with every core shared with a busy
-process, the threads of a parallel step take turns on their cores independently and mostly wait for each other;
-one thread decoded 1.7x faster than two there (177 vs 104 tok/s at batch 1), and as fast as it does on a quiet host.
+Why a step's team may shrink while the host is busy (runner/step_threads.py): with every core shared with a busy
+process, the threads of a parallel step take turns on their cores independently and often wait for each other; at
+batch 1 one thread decoded as fast as two or faster there, while at batch 32 two stayed faster, so the team size is
+chosen by the rate the steps get.
 
 No torch import here: this module runs before torch exists in the process."""
 from __future__ import annotations
@@ -58,7 +59,7 @@ class ThreadSettings:
     pin_cpus: tuple[int, ...] | None = None   # team thread t runs on pin_cpus[t] during a step; None: not pinned
     pinning: str = ""             # why pin_cpus is what it is
     kernel_pool: bool = True      # the compiled kernels' loops run on their own pool (WARMSTART_THREAD_POOL=0: off)
-    adaptive: bool = True         # a step's team shrinks while the host is busy (runner/step_threads.py;
+    adaptive: bool = True         # a step's team is chosen by rate while the host is busy (runner/step_threads.py;
                                   # WARMSTART_ADAPTIVE_THREADS=0: off)
 
     def to_dict(self) -> dict:

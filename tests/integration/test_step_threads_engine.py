@@ -1,5 +1,6 @@
-"""Issue 8 item 5 on a real busy host: busy processes pinned one per CPU make an engine's steps run on fewer threads
-(runner/step_threads.py), with the same greedy tokens; when they stop, the steps get the full team back."""
+"""Issue 8 item 5 on a real busy host: busy processes pinned one per CPU make an engine try its steps on fewer threads
+(runner/step_threads.py), with the same greedy tokens, and compare the rates of the steps it recorded; when they stop,
+the engine counts the host as quiet again and the steps get the full team back."""
 import os
 import subprocess
 import sys
@@ -22,10 +23,10 @@ def _ids(llm):
 
 
 def _until(llm, cond, seconds: float = 20.0):
-    """Generate until cond(team) holds (each call adds step time to the governor's windows); the ids of each call."""
+    """Generate until cond(governor) holds (each call adds step time to its windows); the ids of each call."""
     gov = llm.booted.engine.step_threads
     seen, t0 = [], time.monotonic()
-    while not cond(gov.team) and time.monotonic() - t0 < seconds:
+    while not cond(gov) and time.monotonic() - t0 < seconds:
         seen.append(_ids(llm))
     return seen
 
@@ -42,15 +43,17 @@ def test_busy_cpus_shrink_the_steps_team_and_idle_ones_restore_it(tmp_path):
                              preexec_fn=lambda c=c: os.sched_setaffinity(0, {c})) for c in cpus]
     try:
         time.sleep(0.3)
-        loaded = _until(llm, lambda team: team < 2)
-        assert gov.team == 1, gov.changes
+        loaded = _until(llm, lambda g: g.team < 2)
+        assert gov.team == 1 and gov.busy, gov.changes
         assert gov.changes[-1].reason == "busy" and gov.changes[-1].wait_share >= 0.25
-        loaded.append(_ids(llm))                          # a whole call on the smaller team
+        loaded += _until(llm, lambda g: len(g.changes) >= 3)  # a trial of the full team, and its end
+        assert [c.reason for c in gov.changes[1:3]] == ["trial", "kept" if gov.chosen == 2 else "back"], gov.changes
+        assert gov.changes[2].full_gain is not None       # the steps' rates were compared
     finally:
         for p in load:
             p.kill()
             p.wait()
     assert all(ids == quiet for ids in loaded)            # the team size never changes a token
-    again = _until(llm, lambda team: team == 2)
-    assert gov.team == 2 and gov.changes[-1].reason in ("quiet", "probe"), gov.changes
+    again = _until(llm, lambda g: not g.busy)
+    assert gov.team == 2 and not gov.busy and gov.changes[-1].reason == "quiet", gov.changes
     assert all(ids == quiet for ids in again) and _ids(llm) == quiet

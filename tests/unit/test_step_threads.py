@@ -32,15 +32,22 @@ class Host:
 
 
 def run_steps(gov: StepThreads, host: Host, seconds: float, share: float, idle: float | None,
-              dt: float = 0.01) -> list[int]:
-    """Steps for `seconds` of step time; returns the thread count each step ran on."""
-    seen = []
+              dt=0.01, shape=(1, 1)) -> list[int]:
+    """Steps for `seconds` of step time; returns the thread count each step ran on. dt: a step's time, or a function
+    of the step's thread count (how fast each team runs on this scripted host); shape: what the step records (None:
+    nothing)."""
+    seen, spent = [], 0.0
     host.idle = idle
-    for _ in range(round(seconds / dt)):
-        with gov():
-            seen.append(torch.get_num_threads())
-            host.t += dt
-            host.wait += dt * share
+    while spent < seconds - 1e-9:
+        with gov() as record:
+            n = torch.get_num_threads()
+            seen.append(n)
+            step = dt(n) if callable(dt) else dt
+            if shape is not None:
+                record(shape)
+            host.t += step
+            host.wait += step * share
+            spent += step
     return seen
 
 
@@ -57,31 +64,97 @@ def make(host: Host, threads: int = 2, adaptive: bool = True) -> StepThreads:
                        clock=host.clock)
 
 
-def test_a_busy_host_shrinks_the_team_and_only_idle_cpus_grow_it_back(two_threads):
+ONE_FASTER = {1: 0.006, 2: 0.010}.get       # step seconds by team size on a busy host where one thread wins
+TWO_FASTER = {1: 0.010, 2: 0.006}.get       # ... and where the full team still wins (bigger batches)
+EVEN = {1: 0.010, 2: 0.0095}.get            # ... and where they are within the margin
+
+
+def reasons(gov: StepThreads) -> list[tuple[int, str]]:
+    return [(c.threads, c.reason) for c in gov.changes]
+
+
+def test_a_busy_host_runs_the_smaller_team_and_idle_cpus_end_it(two_threads):
     host = Host()
     gov = make(host)
     assert run_steps(gov, host, 0.5, share=0.0, idle=1.0) == [2] * 50      # quiet: the full team, nothing decided
-    seen = run_steps(gov, host, 0.5, share=0.5, idle=0.0)                  # every core shared with a busy process
-    assert seen[0] == 2 and seen[-1] == 1 and gov.team == 1
-    assert [(c.threads, c.reason) for c in gov.changes] == [(1, "busy")]
+    assert gov.changes == [] and not gov.busy
+    seen = run_steps(gov, host, 0.8, share=0.5, idle=0.0, dt=ONE_FASTER)   # every core shared with a busy process
+    assert seen[0] == 2 and seen[-1] == 1 and gov.team == 1 and gov.busy and gov.chosen == 1
+    # the smaller team at once, then a window on the full team, compared: slower, so the smaller one is back
+    assert reasons(gov) == [(1, "busy"), (2, "trial"), (1, "back")]
+    assert gov.changes[0].wait_share == 0.5 and gov.changes[2].full_gain == pytest.approx(0.6, rel=0.01)
     assert torch.get_num_threads() == 2                                    # outside a step the count is untouched
     # alone on a core while the busy processes share the other: the thread waits for nothing, yet a second thread
-    # would bring the contention back, so the team stays small while no CPU is idle
-    assert run_steps(gov, host, 1.0, share=0.0, idle=0.0) == [1] * 100
-    assert run_steps(gov, host, 0.3, share=0.0, idle=0.9)[-1] == 2          # the busy processes left
-    assert [(c.threads, c.reason) for c in gov.changes] == [(1, "busy"), (2, "quiet")]
-    assert gov.changes[-1].idle_cpus == 0.9 and gov.changes[0].wait_share == 0.5
+    # would bring the contention back, so the team stays small while no CPU is idle (its trials lose)
+    seen = run_steps(gov, host, 4.0, share=0.0, idle=0.0, dt=ONE_FASTER)
+    assert seen[-1] == 1 and {r for _, r in reasons(gov)[3:]} == {"trial", "back"}
+    assert run_steps(gov, host, 0.7, share=0.0, idle=0.9)[-1] == 2          # the busy processes left
+    assert reasons(gov)[-1] == (2, "quiet") and gov.changes[-1].idle_cpus == 0.9 and not gov.busy
 
 
-def test_a_smaller_team_tries_the_full_one_every_probe_interval(two_threads):
+def test_a_busy_host_keeps_the_full_team_where_it_runs_faster(two_threads):
     host = Host()
     gov = make(host)
-    run_steps(gov, host, 0.2, share=0.6, idle=0.0)
-    assert gov.team == 1
-    seen = run_steps(gov, host, st.PROBE_S + 0.3, share=0.0, idle=None)    # idle CPUs unknown: probes only
-    assert seen[-1] == 2 and gov.changes[-1].reason == "probe"
-    run_steps(gov, host, 0.2, share=0.6, idle=0.0)                         # still busy: back down
-    assert [c.reason for c in gov.changes] == ["busy", "probe", "busy"] and gov.team == 1
+    seen = run_steps(gov, host, 4.0, share=0.5, idle=0.0, dt=TWO_FASTER)
+    assert reasons(gov)[:3] == [(1, "busy"), (2, "trial"), (2, "kept")]
+    assert gov.changes[2].full_gain == pytest.approx(10 / 6, rel=0.01)
+    assert gov.team == 2 and gov.chosen == 2 and gov.busy
+    assert (1, "trial") in reasons(gov)                                    # it looks again every EXPLORE_S ...
+    assert seen.count(1) * 0.010 < 0.35 * 4.0                               # ... which takes a small share of the time
+    assert reasons(gov)[-1] != (1, "kept")
+    run_steps(gov, host, 0.7, share=0.0, idle=1.0)                         # the full team stops waiting: quiet
+    assert reasons(gov)[-1] == (2, "quiet") and not gov.busy               # (after a trial under way, if any)
+
+
+def test_within_the_margin_the_smaller_team_stays(two_threads):
+    host = Host()
+    gov = make(host)
+    run_steps(gov, host, 3.0, share=0.5, idle=0.0, dt=EVEN)               # the full team 5% faster: not enough
+    assert gov.chosen == 1 and "kept" not in [r for _, r in reasons(gov)]
+    assert all(c.full_gain == pytest.approx(1 / 0.95, rel=0.01) for c in gov.changes if c.reason == "back")
+
+
+def test_the_choice_follows_the_work_when_it_changes(two_threads):
+    """A batch that grows under the same load: the next trial finds that the full team is now the faster one."""
+    host = Host()
+    gov = make(host)
+    run_steps(gov, host, 1.0, share=0.5, idle=0.0, dt=ONE_FASTER, shape=(1, 1))
+    assert gov.chosen == 1
+    run_steps(gov, host, st.EXPLORE_S + 3 * st.COMPARE_S, share=0.5, idle=0.0, dt=TWO_FASTER, shape=(32, 32))
+    assert gov.chosen == 2 and reasons(gov)[-1] == (2, "kept")
+    run_steps(gov, host, st.EXPLORE_S + 3 * st.COMPARE_S, share=0.5, idle=0.0, dt=ONE_FASTER, shape=(1, 1))
+    assert gov.chosen == 1 and reasons(gov)[-1] == (1, "kept")             # and back when it shrinks again
+
+
+def test_steps_of_other_shapes_are_not_compared(two_threads):
+    """A trial whose steps share no shape with the window before it (or records none) decides nothing: the size
+    chosen before stays."""
+    host = Host()
+    gov = make(host)
+    run_steps(gov, host, 0.1 + st.COMPARE_S + 0.005, share=0.5, idle=0.0, dt=ONE_FASTER, shape=(1, 1))
+    assert reasons(gov) == [(1, "busy"), (2, "trial")]
+    run_steps(gov, host, st.COMPARE_S, share=0.5, idle=0.0, dt=TWO_FASTER, shape=(8, 8))  # the trial: other shapes
+    assert reasons(gov)[2] == (1, "back") and gov.changes[2].full_gain is None
+    host2 = Host()
+    gov2 = make(host2)
+    run_steps(gov2, host2, 2.0, share=0.5, idle=0.0, dt=TWO_FASTER, shape=None)  # nothing recorded: no trials
+    assert reasons(gov2) == [(1, "busy")]
+
+
+def test_speedup_weights_each_shape_by_the_rarer_side():
+    before, after = st.Window(), st.Window()
+    for _ in range(4):
+        before.add((1, 1), 0.010)
+    before.add((8, 8), 0.050)
+    for _ in range(2):
+        after.add((1, 1), 0.005)
+        after.add((8, 8), 0.025)
+    after.add((32, 32), 1.0)                                               # only in one window: left out
+    assert st.speedup(before, after) == pytest.approx((2 * 0.010 + 0.050) / (2 * 0.005 + 0.025))
+    assert st.speedup(before, st.Window()) is None
+    small = st.Window()
+    small.add((1, 1), 0.005)
+    assert st.speedup(before, small) is None                               # fewer than MIN_STEPS in common
 
 
 def test_the_team_shrinks_in_proportion_to_the_cpu_it_gets(two_threads):
@@ -89,8 +162,9 @@ def test_the_team_shrinks_in_proportion_to_the_cpu_it_gets(two_threads):
     gov = make(host, threads=8)
     run_steps(gov, host, 0.15, share=0.5, idle=0.0)
     assert gov.team == 4                                                   # 8 threads, each waiting half the time
-    run_steps(gov, host, 0.3, share=0.1, idle=0.0)
-    assert gov.team == 4                                                   # no idle CPU: stays
+    assert reasons(gov) == [(4, "busy")]
+    run_steps(gov, host, 2 * st.COMPARE_S, share=0.5, idle=0.0, dt=lambda n: 0.012 - 0.001 * n)
+    assert reasons(gov)[1:] == [(8, "trial"), (4, "back")]                   # 4 vs 8 threads, then back to 4
 
 
 @pytest.mark.parametrize("threads,adaptive", [(2, False), (1, True)])

@@ -41,9 +41,10 @@ class Engine:
                  vocab_size: int, eos_token_ids: tuple[int, ...] = (),
                  decode: Callable[[list[int]], str] | None = None, enable_prefix_caching: bool = True,
                  proposer=None, num_speculative_tokens: int = 0,
-                 step_threads: Callable[[], ContextManager[None]] = contextlib.nullcontext):
+                 step_threads: Callable[[], ContextManager] = contextlib.nullcontext):
         self.executor, self.limits, self.vocab_size = executor, limits, vocab_size
-        self.step_threads = step_threads         # a step's team size and pinning (runner/step_threads.py)
+        self.step_threads = step_threads         # a step's team size and pinning (runner/step_threads.py); it may
+        # yield a recorder of the step's shape (sequences, tokens)
         self.blocks = BlockManager(num_blocks, block_size, enable_caching=enable_prefix_caching)
         # Speculative decoding (warmstart/spec): the proposer drafts up to K tokens per decoding sequence, the
         # runner verifies them in the step's one target forward.
@@ -109,10 +110,10 @@ class Engine:
 
     # -- the step -------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        with self.step_threads():
-            return self._step()
+        with self.step_threads() as record:
+            return self._step(record)
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self, record: Callable[[tuple[int, int]], None] | None = None) -> list[RequestOutput]:
         self.scheduler.release_forks()
         out = self.scheduler.schedule()
         self.num_preemptions += len(out.preempted)
@@ -122,6 +123,8 @@ class Engine:
                 self.executor.execute(Batch([], finished_ids))
             return []
         batch = out.to_batch(finished_ids)
+        if record is not None:                   # what the step was, for step_threads' comparisons of team sizes
+            record((len(batch.items), batch.num_tokens))
         if self.proposer is not None:
             self.proposer.finished(finished_ids)
             batch = self._propose(out, batch)

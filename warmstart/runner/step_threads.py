@@ -9,15 +9,26 @@ and 104 under two busy loops (2.35x slower), while one thread decoded 178 quiet 
 loops. With one busy loop the caller kept its core (the loop sat beside the pool's worker) and two threads were as
 fast as one (189 vs 184 tok/s).
 
-So the step's team shrinks when the host is busy, and grows back when it is not. Shrinking: the time the calling
-thread spent runnable but not running (the second field of /proc/thread-self/schedstat, the scheduler's own
-accounting), as a share of its step time over a window of WINDOW_S of step time; at BUSY or more the team shrinks
-to the threads the host gives it (threads x (1 - share), at least one). Growing cannot use that share: a thread
-alone often gets a core to itself while the busy processes share the others (its share then reads near 0 though a
-second thread would bring the contention back). So a smaller team grows back when the CPUs this process may use had
-IDLE_PER_THREAD of a CPU idle per missing thread over the window (idle time in /proc/stat), and tries the full team
-every PROBE_S of step time anyway (a window at full size decides again). Results do not depend on the team size
-(kernels/csrc/pool.h: chunk boundaries never change a result). WARMSTART_ADAPTIVE_THREADS=0 keeps the team fixed."""
+Which team is faster on a busy host depends on the work, so it is measured, not assumed: under the same two busy
+loops, batch 32 (default model; each team size fixed for 12 s of decoding, separate processes alternated) decoded
+435 and 465 tok/s on 2 threads and 339 and 349 on one, while at batch 1 one thread was as fast or a little faster
+(medians 133 vs 125 tok/s over 1-s windows alternated in one process for 40 s).
+
+So while the host is busy the step's team is chosen by the rate it gets. The host is busy when the calling thread
+spent BUSY or more of its step time runnable but not running (the second field of /proc/thread-self/schedstat, the
+scheduler's own accounting) over a window of WINDOW_S of step time at the full team. The step then runs on the
+smaller team (the threads the host gives it: threads x (1 - share), at least one) for a window (COMPARE_S of step
+time and WINDOW_STEPS steps, or MAX_WINDOW_S), and the full team is tried for the next: it is chosen only if its steps ran more than MARGIN faster (a smaller team takes
+less of a shared host, and a single thread's rate is the steadier one under load). Every EXPLORE_S of step time at
+the chosen size the other is tried again the same way, so a change in the load or in the batch finds the faster team
+again. Steps are compared by shape (sequences, tokens: the engine records each step's): the mean step time of each
+shape both windows ran, weighted by the steps of the rarer side. Trials cost a share of COMPARE_S / (EXPLORE_S +
+COMPARE_S) of the step time at the other size, and only while the host is busy. The host is quiet again when the
+full team waits for its CPU less than BUSY of a window, or, for a smaller team, when the CPUs this process may use
+had IDLE_PER_THREAD of a CPU idle per missing thread over a window (idle time in /proc/stat; a thread alone often
+gets a core to itself while the busy processes share the others, so its own waits read near 0 though a second
+thread would bring the contention back). Results do not depend on the team size (kernels/csrc/pool.h: chunk
+boundaries never change a result). WARMSTART_ADAPTIVE_THREADS=0 keeps the team fixed."""
 from __future__ import annotations
 
 import logging
@@ -25,16 +36,22 @@ import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Iterator
+from typing import Callable, ContextManager, Hashable, Iterator
 
 import torch
 
 log = logging.getLogger("warmstart")
 
-WINDOW_S = 0.1      # step time per decision
-BUSY = 0.25         # run-queue wait share at which the team shrinks (two busy loops on 2 cores: 0.50 at 2 threads)
+WINDOW_S = 0.1      # step time per decision while the host is quiet
+BUSY = 0.25         # run-queue wait share at which the host counts as busy (two busy loops on 2 cores: 0.50 at 2
+                    # threads)
 IDLE_PER_THREAD = 0.5  # idle CPU per missing thread at which a smaller team grows back
-PROBE_S = 5.0       # step time between tries of the full team while smaller
+COMPARE_S = 0.3     # step time per window while the host is busy (a trial, and the window it is compared with) ...
+WINDOW_STEPS = 8    # ... and steps recorded in it, at least (batch 32 under load: ~80 ms a step) ...
+MAX_WINDOW_S = 2.0  # ... unless it has run this long
+EXPLORE_S = 1.5     # step time at the chosen size between trials of the other
+MIN_STEPS = 3       # steps of shapes both windows ran, at least, for a comparison to decide
+MARGIN = 0.1        # the full team is chosen only when it ran this much faster than the smaller one
 
 
 def run_queue_wait_s() -> float | None:
@@ -72,19 +89,55 @@ class IdleCpus:
                    for c in now if c in last and now[c][1] > last[c][1])
 
 
+Shape = Hashable     # what makes two steps comparable: the engine records (sequences, tokens)
+
+
+class Window:
+    """Step time per shape over a window: shape -> [seconds, steps]."""
+
+    def __init__(self):
+        self.steps: dict[Shape, list] = {}
+
+    def add(self, shape: Shape, dt: float) -> None:
+        cell = self.steps.setdefault(shape, [0.0, 0])
+        cell[0] += dt
+        cell[1] += 1
+
+
+def speedup(before: Window, after: Window) -> float | None:
+    """How much faster `after`'s steps ran than `before`'s (> 1: faster): over the shapes both windows ran, the mean
+    step times of each weighted by the steps of the rarer side. None when they share fewer than MIN_STEPS."""
+    a = b = 0.0
+    n = 0
+    for shape, (tb, nb) in before.steps.items():
+        if shape in after.steps:
+            ta, na = after.steps[shape]
+            w = min(na, nb)
+            b += w * tb / nb
+            a += w * ta / na
+            n += w
+    return b / a if n >= MIN_STEPS and a > 0.0 else None
+
+
 @dataclass(frozen=True)
 class TeamChange:
-    """One decision that changed the team size (kept for the metrics and the tests)."""
+    """One decision while the host is busy, or on its way out of it (kept for the metrics and the tests)."""
     at_s: float             # step time since the first step
-    threads: int
+    threads: int            # the team from here on
     wait_share: float       # the calling thread's run-queue wait / step time over the window that decided it
     idle_cpus: float | None  # idle CPUs over that window (None: unknown)
-    reason: str             # "busy" (shrink) | "quiet" (grow) | "probe" (try the full team)
+    reason: str             # "busy": the host is busy, the smaller team runs | "trial": the other size is tried |
+                            # "kept": the trial's size stays | "back": the size before the trial is back | "quiet":
+                            # the host is quiet again, the full team is back
+    full_gain: float | None = None  # "kept"/"back": how much faster the full team's steps ran than the smaller
+                                    # team's (None: no steps of a shape both windows ran)
 
 
 class StepThreads:
     """The engine's per-step context: sets the step's team size, then enters `pinning` (runner/affinity.py; it pins
-    only a full team). Decisions are per calling thread's measurements; one engine steps from one thread."""
+    only a full team). It yields `record(shape)`, which tells it what the step was (without it the step's time
+    counts towards the window but not towards a comparison). Decisions are per calling thread's measurements; one
+    engine steps from one thread."""
 
     def __init__(self, threads: int, pinning: Callable[[], ContextManager[None]], adaptive: bool = True,
                  wait_s: Callable[[], float | None] = run_queue_wait_s,
@@ -96,16 +149,23 @@ class StepThreads:
         self.adaptive = adaptive and self.full > 1
         self.team = self.full
         self.changes: list[TeamChange] = []
+        self.busy = False           # the host is busy: the team is chosen by rate
+        self.chosen = self.full     # while busy: the size that ran faster
+        self.trial = False          # while busy: this window tries the other size
+        self._small = self.full     # while busy: the smaller size (the threads the host gives the team)
+        self._window = Window()
+        self._last: Window | None = None  # the last whole window at the chosen size
         self._busy = 0.0            # step time in the current window
         self._total = 0.0           # step time since the first step
-        self._since_full = 0.0      # step time since the team was last full
+        self._since_trial = 0.0     # step time since the last trial
         self._w0: float | None = None
 
     @contextmanager
-    def __call__(self) -> Iterator[None]:
+    def __call__(self) -> Iterator[Callable[[Shape], None]]:
+        shape: list[Shape] = []
         if not self.adaptive:
             with self.pinning():
-                yield
+                yield shape.append
             return
         if self._w0 is None:
             self._w0 = self.wait_s()
@@ -120,42 +180,76 @@ class StepThreads:
         t0 = self.clock()
         try:
             with self.pinning():
-                yield
+                yield shape.append
         finally:
             dt = self.clock() - t0
             if shrunk:                      # the calling thread's count outside steps is its own business
                 torch.set_num_threads(prev)
+            if shape:
+                self._window.add(shape[-1], dt)
             self._busy += dt
             self._total += dt
-            if self.adaptive and self._busy >= WINDOW_S:
+            if self.adaptive and self._window_done():
                 self._decide()
+
+    def _window_done(self) -> bool:
+        if not self.busy:
+            return self._busy >= WINDOW_S
+        steps = sum(n for _, n in self._window.steps.values())
+        return self._busy >= COMPARE_S and steps >= WINDOW_STEPS or self._busy >= MAX_WINDOW_S
 
     def _decide(self) -> None:
         w, idle = self.wait_s(), self.idle_cpus()
         if w is None or self._w0 is None:
             return
         share = min(1.0, max(0.0, (w - self._w0) / self._busy))
-        if self.team < self.full:
-            self._since_full += self._busy
+        window, self._window = self._window, Window()
+        if self.busy and not self.trial:
+            self._since_trial += self._busy
         self._w0, self._busy = w, 0.0
-        if self.team == self.full:
-            if share >= BUSY:
-                self._set(max(1, min(self.team - 1, round(self.team * (1.0 - share)))), share, idle, "busy")
-        elif idle is not None and idle >= IDLE_PER_THREAD * (self.full - self.team):
-            self._set(self.full, share, idle, "quiet")
-        elif self._since_full >= PROBE_S:
-            self._set(self.full, share, idle, "probe")
+        if not self.busy:                   # the full team, on a quiet host until now
+            if share >= BUSY:               # the smaller team first: its window is what the full team's trial
+                                            # is compared with
+                small = max(1, min(self.full - 1, round(self.full * (1.0 - share))))
+                self.busy, self.chosen, self._small, self._last = True, small, small, None
+                self._since_trial = EXPLORE_S
+                self._change(small, share, idle, "busy")
+        elif self.trial:
+            gain = speedup(self._last, window) if self._last is not None else None
+            full_gain = None if gain is None else gain if self.team == self.full else 1.0 / gain
+            before, self.trial, self._since_trial = self.chosen, False, 0.0
+            if full_gain is not None:
+                self.chosen = self.full if full_gain > 1.0 + MARGIN else self._small
+            if self.chosen == self.team:
+                self._last = window
+            self._change(self.chosen, share, idle, "kept" if self.chosen == self.team else "back", full_gain)
+            if self.chosen != before:
+                log.debug("%d step threads ran %.2fx as fast as %d on this busy host: %d from here on", self.full,
+                         full_gain, self._small, self.chosen)
+        else:
+            self._last = window
+            if self.team == self.full and share < BUSY:
+                self.busy = False
+                self._change(self.full, share, idle, "quiet")
+            elif self.team < self.full and idle is not None and idle >= IDLE_PER_THREAD * (self.full - self.team):
+                self.busy = False
+                self._change(self.full, share, idle, "quiet")
+            elif self._since_trial >= EXPLORE_S and self._last.steps:
+                self.trial = True
+                self._change(self._small if self.chosen == self.full else self.full, share, idle, "trial")
 
-    def _set(self, team: int, share: float, idle: float | None, reason: str) -> None:
+    def _change(self, team: int, share: float, idle: float | None, reason: str,
+                full_gain: float | None = None) -> None:
         before, self.team = self.team, team
-        after_probe = bool(self.changes) and self.changes[-1].reason == "probe"
-        if team == self.full:
-            self._since_full = 0.0
         self.changes.append(TeamChange(round(self._total, 3), team, round(share, 3),
-                                       None if idle is None else round(idle, 2), reason))
+                                       None if idle is None else round(idle, 2), reason,
+                                       None if full_gain is None else round(full_gain, 3)))
         del self.changes[:-64]
-        if reason == "busy" and not after_probe:  # a probe, and its answer while the host is still busy: routine
-            log.info("step threads %d -> %d: the host is busy (this thread waited for a CPU %.0f%% of its step time)",
-                     before, team, 100 * share)
+        if reason == "busy":
+            log.info("the host is busy (this thread waited for a CPU %.0f%% of its step time): %d step threads "
+                     "instead of %d, and a try of %d now and then, kept where it runs faster", 100 * share, team,
+                     before, before)
         elif reason == "quiet":
-            log.info("step threads %d -> %d: the host has idle CPUs again (%.1f)", before, team, idle)
+            log.info("the host is quiet again: %d step threads", team)
+        else:
+            log.debug("step threads %d -> %d (%s, full team's gain %s)", before, team, reason, full_gain)
