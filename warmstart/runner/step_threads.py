@@ -19,9 +19,10 @@ spent BUSY or more of its step time runnable but not running (the second field o
 scheduler's own accounting) over a window of WINDOW_S of step time at the full team. The step then runs on the
 smaller team (the threads the host gives it: threads x (1 - share), at least one) for a window (COMPARE_S of step
 time and WINDOW_STEPS steps, or MAX_WINDOW_S), and the full team is tried for the next: it is chosen only if its steps ran more than MARGIN faster (a smaller team takes
-less of a shared host, and a single thread's rate is the steadier one under load). Every EXPLORE_S of step time at
-the chosen size the other is tried again the same way, so a change in the load or in the batch finds the faster team
-again. Steps are compared by shape (sequences, tokens: the engine records each step's): the mean step time of each
+less of a shared host, and a single thread's rate is the steadier one under load), in CONFIRM trials in a row (a
+single window can catch the busy processes where they happen to suit the full team: at batch 1 one of seven read
+1.34x). Every EXPLORE_S of step time at the chosen size the other is tried again the same way (after a trial that
+asked for a switch, after one window), so a change in the load or in the batch finds the faster team again. Steps are compared by shape (sequences, tokens: the engine records each step's): the mean step time of each
 shape both windows ran, weighted by the steps of the rarer side. Trials cost a share of COMPARE_S / (EXPLORE_S +
 COMPARE_S) of the step time at the other size, and only while the host is busy. The host is quiet again when the
 full team waits for its CPU less than BUSY of a window, or, for a smaller team, when the CPUs this process may use
@@ -51,7 +52,8 @@ WINDOW_STEPS = 8    # ... and steps recorded in it, at least (batch 32 under loa
 MAX_WINDOW_S = 2.0  # ... unless it has run this long
 EXPLORE_S = 1.5     # step time at the chosen size between trials of the other
 MIN_STEPS = 3       # steps of shapes both windows ran, at least, for a comparison to decide
-MARGIN = 0.1        # the full team is chosen only when it ran this much faster than the smaller one
+MARGIN = 0.1        # the full team is chosen only when it ran this much faster than the smaller one ...
+CONFIRM = 2         # ... in this many trials in a row (and the smaller one again likewise)
 
 
 def run_queue_wait_s() -> float | None:
@@ -153,6 +155,7 @@ class StepThreads:
         self.chosen = self.full     # while busy: the size that ran faster
         self.trial = False          # while busy: this window tries the other size
         self._small = self.full     # while busy: the smaller size (the threads the host gives the team)
+        self._votes = 0             # while busy: trials in a row that asked for the other size
         self._window = Window()
         self._last: Window | None = None  # the last whole window at the chosen size
         self._busy = 0.0            # step time in the current window
@@ -211,15 +214,19 @@ class StepThreads:
             if share >= BUSY:               # the smaller team first: its window is what the full team's trial
                                             # is compared with
                 small = max(1, min(self.full - 1, round(self.full * (1.0 - share))))
-                self.busy, self.chosen, self._small, self._last = True, small, small, None
+                self.busy, self.chosen, self._small, self._last, self._votes = True, small, small, None, 0
                 self._since_trial = EXPLORE_S
                 self._change(small, share, idle, "busy")
         elif self.trial:
             gain = speedup(self._last, window) if self._last is not None else None
             full_gain = None if gain is None else gain if self.team == self.full else 1.0 / gain
             before, self.trial, self._since_trial = self.chosen, False, 0.0
-            if full_gain is not None:
-                self.chosen = self.full if full_gain > 1.0 + MARGIN else self._small
+            want = None if full_gain is None else self.full if full_gain > 1.0 + MARGIN else self._small
+            self._votes = self._votes + 1 if want is not None and want != self.chosen else 0
+            if self._votes >= CONFIRM:      # a switch needs CONFIRM trials in a row that ask for it
+                self.chosen, self._votes = want, 0
+            elif self._votes:               # one asked: the next trial comes after one window
+                self._since_trial = EXPLORE_S
             if self.chosen == self.team:
                 self._last = window
             self._change(self.chosen, share, idle, "kept" if self.chosen == self.team else "back", full_gain)
