@@ -123,7 +123,10 @@ def _load_pairs(run, a: dict, cpus: int) -> tuple[list[list[float]], list[dict]]
     the busy loops took while the engine ran loaded (the CPU they left it is `cpus` minus that)."""
     pairs, cpu = [], []
     for _ in range(a["rounds"]):
-        run(a["n"])                 # settle: an adaptive team grows back after the last round's load (~0.1 s)
+        t0 = time.perf_counter()    # settle: an adaptive team grows back after the last round's load (a window of
+        run(a["n"])                 # 0.3 s of steps: runner/step_threads.py), so a second of decoding before timing
+        while time.perf_counter() - t0 < 1.0:
+            run(a["n"])
         own = _CpuClock()
         quiet = _rate(run, a["batch"], a["n"])["tok_s"]
         quiet_cores = own.cores()
