@@ -12,24 +12,27 @@ fast as one (189 vs 184 tok/s).
 Which team is faster on a busy host depends on the work, so it is measured, not assumed: under the same two busy
 loops, batch 32 (default model; each team size fixed for 12 s of decoding, separate processes alternated) decoded
 435 and 465 tok/s on 2 threads and 339 and 349 on one, while at batch 1 one thread was as fast or a little faster
-(medians 133 vs 125 tok/s over 1-s windows alternated in one process for 40 s).
+(medians 133 vs 125 tok/s over 1-s windows alternated in one process for 40 s). Against the team that only shrank
+(before this choice; separate processes alternated, 12 s of decoding each under the two busy loops): batch 32
+390, 399, 388 tok/s vs 330, 334, 339; batch 1 126, 138, 114 vs 138, 124, 127 (within this host's spread).
 
 So while the host is busy the step's team is chosen by the rate it gets. The host is busy when the calling thread
 spent BUSY or more of its step time runnable but not running (the second field of /proc/thread-self/schedstat, the
 scheduler's own accounting) over a window of WINDOW_S of step time at the full team. The step then runs on the
 smaller team (the threads the host gives it: threads x (1 - share), at least one) for a window (COMPARE_S of step
-time and WINDOW_STEPS steps, or MAX_WINDOW_S), and the full team is tried for the next: it is chosen only if its steps ran more than MARGIN faster (a smaller team takes
-less of a shared host, and a single thread's rate is the steadier one under load), in CONFIRM trials in a row (a
-single window can catch the busy processes where they happen to suit the full team: at batch 1 one of seven read
-1.34x). Every EXPLORE_S of step time at the chosen size the other is tried again the same way (after a trial that
-asked for a switch, after one window), so a change in the load or in the batch finds the faster team again. Steps are compared by shape (sequences, tokens: the engine records each step's): the mean step time of each
-shape both windows ran, weighted by the steps of the rarer side. Trials cost a share of COMPARE_S / (EXPLORE_S +
-COMPARE_S) of the step time at the other size, and only while the host is busy. The host is quiet again when the
-full team waits for its CPU less than BUSY of a window, or, for a smaller team, when the CPUs this process may use
-had IDLE_PER_THREAD of a CPU idle per missing thread over a window (idle time in /proc/stat; a thread alone often
-gets a core to itself while the busy processes share the others, so its own waits read near 0 though a second
-thread would bring the contention back). Results do not depend on the team size (kernels/csrc/pool.h: chunk
-boundaries never change a result). WARMSTART_ADAPTIVE_THREADS=0 keeps the team fixed."""
+time and WINDOW_STEPS steps, or MAX_WINDOW_S), and the full team is tried for the next: it is chosen only if its
+steps ran more than MARGIN faster (a smaller team takes less of a shared host, and a single thread's rate is the
+steadier one under load), in CONFIRM trials in a row (a single window can catch the busy processes where they happen
+to suit the full team: at batch 1 one of seven read 1.34x). Every EXPLORE_S of step time at the chosen size the
+other is tried again the same way (after a trial that asked for a switch, after one window), so a change in the load
+or in the batch finds the faster team again. Steps are compared by shape (sequences, tokens: the engine records each
+step's): the mean step time of each shape both windows ran, weighted by the steps of the rarer side. Trials cost a
+share of COMPARE_S / (EXPLORE_S + COMPARE_S) of the step time at the other size, and only while the host is busy.
+The host is quiet again when the full team waits for its CPU less than BUSY of a window, or, for a smaller team,
+when the CPUs this process may use had IDLE_PER_THREAD of a CPU idle per missing thread over a window (idle time in
+/proc/stat; a thread alone often gets a core to itself while the busy processes share the others, so its own waits
+read near 0 though a second thread would bring the contention back). Results do not depend on the team size
+(kernels/csrc/pool.h: chunk boundaries never change a result). WARMSTART_ADAPTIVE_THREADS=0 keeps the team fixed."""
 from __future__ import annotations
 
 import logging
@@ -232,7 +235,7 @@ class StepThreads:
             self._change(self.chosen, share, idle, "kept" if self.chosen == self.team else "back", full_gain)
             if self.chosen != before:
                 log.debug("%d step threads ran %.2fx as fast as %d on this busy host: %d from here on", self.full,
-                         full_gain, self._small, self.chosen)
+                          full_gain, self._small, self.chosen)
         else:
             self._last = window
             if self.team == self.full and share < BUSY:
