@@ -39,6 +39,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from cpu_load import CpuClock, Load
+
 ROOT = Path(__file__).resolve().parents[1]
 PEERS_PY = ROOT / ".venv-peers" / "bin" / "python"
 
@@ -127,35 +129,15 @@ def _load_pairs(run, a: dict, cpus: int) -> tuple[list[list[float]], list[dict]]
         run(a["n"])                 # 0.3 s of steps: runner/step_threads.py), so a second of decoding before timing
         while time.perf_counter() - t0 < 1.0:
             run(a["n"])
-        own = _CpuClock()
+        own = CpuClock()
         quiet = _rate(run, a["batch"], a["n"])["tok_s"]
         quiet_cores = own.cores()
         with Load(cpus) as load:
-            own, loops = _CpuClock(), _CpuClock([p.pid for p in load.procs])
+            own, loops = CpuClock(), CpuClock([p.pid for p in load.procs])
             loaded = _rate(run, a["batch"], a["n"])["tok_s"]
             cpu.append({"quiet_engine": quiet_cores, "loaded_engine": own.cores(), "loaded_loops": loops.cores()})
         pairs.append([quiet, loaded])
     return pairs, cpu
-
-
-class _CpuClock:
-    """CPU seconds per wall second (cores in use) since it was made: of this process (every thread), or of the
-    processes `pids` (from /proc/<pid>/stat's utime and stime)."""
-
-    def __init__(self, pids: list[int] | None = None):
-        self.pids = pids
-        self.t0, self.c0 = time.perf_counter(), self._cpu()
-
-    def _cpu(self) -> float:
-        if self.pids is None:
-            t = os.times()
-            return t.user + t.system
-        tick = os.sysconf("SC_CLK_TCK")
-        fields = (Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split() for p in self.pids)
-        return sum(int(f[11]) + int(f[12]) for f in fields) / tick
-
-    def cores(self) -> float:
-        return (self._cpu() - self.c0) / (time.perf_counter() - self.t0)
 
 
 def _time_kernels() -> dict:
@@ -252,20 +234,16 @@ def boot_seconds(env: dict | None = None) -> float:
     return time.perf_counter() - t0
 
 
-class Load:
-    """Busy loops on every core: a neighbour that takes about half the CPU from a 2-thread engine on 2 cores."""
-
-    def __init__(self, n: int):
-        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
-
-    def __enter__(self):
-        time.sleep(0.5)
-        return self
-
-    def __exit__(self, *exc):
-        for p in self.procs:
-            p.kill()
-            p.wait()
+def alternated_under_load(arms: dict[str, tuple[dict, dict | None]], rounds: int) -> dict[str, list]:
+    """Decode tok/s of each arm (warmstart worker args, extra env), separate processes alternated round by round
+    under one continuous load on every core."""
+    from warmstart.threads import available_cpus
+    out: dict[str, list] = {name: [] for name in arms}
+    with Load(available_cpus()):
+        for _ in range(rounds):
+            for name, (args, env) in arms.items():
+                out[name].append((spawn("ws", args, env) or {}).get("tok_s"))
+    return out
 
 
 def med(xs):
@@ -411,22 +389,15 @@ def main() -> int:
         print("under load, paired:", json.dumps(res["under_load_paired"]), flush=True)
         # the adaptive team against a fixed one under one continuous load, separate processes alternated: single
         # loaded rows swing with where the scheduler puts the busy loops, so the two are compared side by side
-        ab: dict[str, list] = {"adaptive": [], "fixed": []}
-        with Load(available_cpus()):
-            for _ in range(paired_rounds):
-                ab["adaptive"].append((spawn("ws", one) or {}).get("tok_s"))
-                ab["fixed"].append((spawn("ws", one, {"WARMSTART_ADAPTIVE_THREADS": "0"}) or {}).get("tok_s"))
+        fixed = {"WARMSTART_ADAPTIVE_THREADS": "0"}
+        ab = alternated_under_load({"adaptive": (one, None), "fixed": (one, fixed)}, paired_rounds)
         res["under_load_adaptive_ab"] = ab
         print("under load, adaptive vs fixed team:", json.dumps(ab), flush=True)
         # the same at batch 32, where the full team stays the faster one under load (the adaptive team chooses by
         # the rate its steps get), with one thread beside them (what a team that always shrank would get)
         b32 = {**one, "batch": 32}
-        ab = {"adaptive": [], "fixed": [], "one thread": []}
-        with Load(available_cpus()):
-            for _ in range(paired_rounds):
-                ab["adaptive"].append((spawn("ws", b32) or {}).get("tok_s"))
-                ab["fixed"].append((spawn("ws", b32, {"WARMSTART_ADAPTIVE_THREADS": "0"}) or {}).get("tok_s"))
-                ab["one thread"].append((spawn("ws", {**b32, "threads": 1}) or {}).get("tok_s"))
+        ab = alternated_under_load({"adaptive": (b32, None), "fixed": (b32, fixed),
+                                    "one thread": ({**b32, "threads": 1}, None)}, paired_rounds)
         res["under_load_adaptive_ab_b32"] = ab
         print("under load, batch 32, adaptive vs fixed team vs one thread:", json.dumps(ab), flush=True)
         if have_llama:                                          # the peer under the same load, for reference

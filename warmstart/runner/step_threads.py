@@ -98,15 +98,17 @@ Shape = Hashable     # what makes two steps comparable: the engine records (sequ
 
 
 class Window:
-    """Step time per shape over a window: shape -> [seconds, steps]."""
+    """Step time per shape over a window: shape -> [seconds, steps]; n: the steps recorded."""
 
     def __init__(self):
         self.steps: dict[Shape, list] = {}
+        self.n = 0
 
     def add(self, shape: Shape, dt: float) -> None:
         cell = self.steps.setdefault(shape, [0.0, 0])
         cell[0] += dt
         cell[1] += 1
+        self.n += 1
 
 
 def speedup(before: Window, after: Window) -> float | None:
@@ -201,8 +203,7 @@ class StepThreads:
     def _window_done(self) -> bool:
         if not self.busy:
             return self._busy >= WINDOW_S
-        steps = sum(n for _, n in self._window.steps.values())
-        return self._busy >= COMPARE_S and steps >= WINDOW_STEPS or self._busy >= MAX_WINDOW_S
+        return self._busy >= COMPARE_S and self._window.n >= WINDOW_STEPS or self._busy >= MAX_WINDOW_S
 
     def _decide(self) -> None:
         w, idle = self.wait_s(), self.idle_cpus()
@@ -244,7 +245,7 @@ class StepThreads:
             elif self.team < self.full and idle is not None and idle >= IDLE_PER_THREAD * (self.full - self.team):
                 self.busy = False
                 self._change(self.full, share, idle, "quiet")
-            elif self._since_trial >= EXPLORE_S and self._last.steps:
+            elif self._since_trial >= EXPLORE_S and self._last.n:
                 self.trial = True
                 self._change(self._small if self.chosen == self.full else self.full, share, idle, "trial")
 
