@@ -265,15 +265,33 @@ inline float exp_sum(const float* s, float* p, int64_t n, float m) {
 constexpr int64_t kI8MaxD = 256;
 inline bool int8_integer_path(int64_t D) { return D % 16 == 0 && D <= kI8MaxD; }
 
-// q: rows of D floats (pre-scaled) -> int16 codes, per-row scales (code * scale = q within scale / 2)
+// q: rows of D floats (pre-scaled) -> int16 codes, per-row scales (code * scale = q within scale / 2). Vectorized
+// (D is a multiple of 16 here): the scalar loop took ~2 us per task of 9 heads, which at short contexts was a third
+// of an int8 call (batch 8 x 128 positions: 40 us against float16's 25). Same codes and scales as the scalar form:
+// max is order-free, and the rounding (current mode: nearest-even), clamp and conversion are the same operations.
 inline void quantize_q16(const float* q, int64_t rows, int64_t D, int16_t* codes, float* scales) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256 lo = _mm256_set1_ps(-32767.f), hi = _mm256_set1_ps(32767.f);
   for (int64_t i = 0; i < rows; ++i) {
     const float* x = q + i * D;
-    float amax = 0.f;
-    for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
+    int16_t* c = codes + i * D;
+    __m256 vm = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8)  // max(|x|, running): a NaN element leaves the running max, as std::max does
+      vm = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + d), abs_mask), vm);
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(vm), _mm256_extractf128_ps(vm, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float amax = _mm_cvtss_f32(h);
     const float inv = amax > 0.f ? 32767.f / amax : 0.f;
-    for (int64_t d = 0; d < D; ++d)
-      codes[i * D + d] = static_cast<int16_t>(std::clamp(std::nearbyint(x[d] * inv), -32767.f, 32767.f));
+    const __m256 vinv = _mm256_set1_ps(inv);
+    for (int64_t d = 0; d < D; d += 16) {
+      __m256 a = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + d), vinv), _MM_FROUND_CUR_DIRECTION);
+      __m256 b = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + d + 8), vinv), _MM_FROUND_CUR_DIRECTION);
+      a = _mm256_min_ps(_mm256_max_ps(a, lo), hi);
+      b = _mm256_min_ps(_mm256_max_ps(b, lo), hi);
+      const __m256i w = _mm256_packs_epi32(_mm256_cvttps_epi32(a), _mm256_cvttps_epi32(b));  // a0-3 b0-3 a4-7 b4-7
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + d), _mm256_permute4x64_epi64(w, 0xD8));
+    }
     scales[i] = amax / 32767.f;
   }
 }
