@@ -13,6 +13,12 @@
 // Tried there and slower or no faster: P.V in integers (P rounded to int16 per tile, two positions per vpdpwssd:
 // 0.97x), each P times its V row's scale at the broadcast instead of scale_cols (0.95x), scores stored 16 at a time
 // (1.0x). vpdpwssd and a 16-lane FMA measured the same throughput there (one per cycle, sharing pipes).
+// Not bound by its vector instructions either (session of 2026-12-06, batch 8 x 2,048, same harness): q in int8 with
+// vpdpbusd over 16 positions in the lanes (K rows transposed in registers, K + 128 by an xor, 128 * sum(q) taken
+// off) and P rounded to uint8 per tile with 4 positions per vpdpbusd (V rows interleaved by unpacks) halve the
+// vector instructions of q.k and P.V, and ran 0.94-1.0x; with the transposes, unpacks and scale gathers also left
+// out (the upper bound of a cache layout that would store K transposed and V interleaved) 1.08-1.10x. Timed with
+// rdtsc, q.k took ~8 and P.V ~6-8 cycles per position and kv head in all three, even with the cache in L1.
 // Float caches stay on the 8-lane step: the same 16-lane step measured slower for them there (float32 0.77-0.81x,
 // bfloat16 0.83-0.89x, float16 0.93-1.0x).
 //
