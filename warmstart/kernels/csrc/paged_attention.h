@@ -266,9 +266,9 @@ constexpr int64_t kI8MaxD = 256;
 inline bool int8_integer_path(int64_t D) { return D % 16 == 0 && D <= kI8MaxD; }
 
 // q: rows of D floats (pre-scaled) -> int16 codes, per-row scales (code * scale = q within scale / 2). Vectorized
-// (D is a multiple of 16 here): the scalar loop took ~2 us per task of 9 heads, which at short contexts was a third
-// of an int8 call (batch 8 x 128 positions: 40 us against float16's 25). Same codes and scales as the scalar form:
-// max is order-free, and the rounding (current mode: nearest-even), clamp and conversion are the same operations.
+// (D is a multiple of 16 here); for finite q the same codes and scales as a scalar loop (max is order-free; the
+// rounding, in the current mode, nearest-even, the clamp and the conversion are the same operations). Against that
+// scalar loop, batch 8 x 128 positions, built side by side: 32.5 vs 34.7 us a call at 1 thread, even at 2.
 inline void quantize_q16(const float* q, int64_t rows, int64_t D, int16_t* codes, float* scales) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   const __m256 lo = _mm256_set1_ps(-32767.f), hi = _mm256_set1_ps(32767.f);
