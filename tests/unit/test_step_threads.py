@@ -64,6 +64,8 @@ def make(host: Host, threads: int = 2, adaptive: bool = True) -> StepThreads:
                        clock=host.clock)
 
 
+# step time between trials after a trial window of COMPARE_S (this scripted host's windows at batch 1)
+EXPLORE = max(st.EXPLORE_S, st.COMPARE_S * (1 - st.TRIAL_SHARE) / st.TRIAL_SHARE)
 ONE_FASTER = {1: 0.006, 2: 0.010}.get       # step seconds by team size on a busy host where one thread wins
 TWO_FASTER = {1: 0.010, 2: 0.006}.get       # ... and where the full team still wins (bigger batches)
 EVEN = {1: 0.010, 2: 0.0095}.get            # ... and where they are within the margin
@@ -101,9 +103,10 @@ def test_a_busy_host_keeps_the_full_team_where_it_runs_faster(two_threads):
     assert gov.changes[2].full_gain == gov.changes[4].full_gain == pytest.approx(10 / 6, rel=0.01)
     assert gov.changes[3].at_s - gov.changes[2].at_s < st.EXPLORE_S
     assert gov.team == 2 and gov.chosen == 2 and gov.busy
-    assert (1, "trial") in reasons(gov)                                    # it looks again every EXPLORE_S ...
-    assert seen.count(1) * 0.010 < 0.35 * 4.0                               # ... which takes a small share of the time
-    assert reasons(gov)[-1] != (1, "kept")
+    seen = run_steps(gov, host, 10 * EXPLORE, share=0.5, idle=0.0, dt=TWO_FASTER)
+    assert (1, "trial") in reasons(gov)                                    # it looks again now and then ...
+    assert seen.count(1) * 0.010 <= 1.1 * st.TRIAL_SHARE * 10 * EXPLORE    # ... in a small share of the time
+    assert gov.chosen == 2 and (1, "kept") not in reasons(gov)
     run_steps(gov, host, 0.7, share=0.0, idle=1.0)                         # the full team stops waiting: quiet
     assert reasons(gov)[-1] == (2, "quiet") and not gov.busy               # (after a trial under way, if any)
 
@@ -137,10 +140,38 @@ def test_the_choice_follows_the_work_when_it_changes(two_threads):
     gov = make(host)
     run_steps(gov, host, 1.0, share=0.5, idle=0.0, dt=ONE_FASTER, shape=(1, 1))
     assert gov.chosen == 1
-    run_steps(gov, host, st.EXPLORE_S + 4 * st.COMPARE_S, share=0.5, idle=0.0, dt=TWO_FASTER, shape=(32, 32))
+    run_steps(gov, host, EXPLORE + 4 * st.COMPARE_S, share=0.5, idle=0.0, dt=TWO_FASTER, shape=(32, 32))
     assert gov.chosen == 2 and reasons(gov)[-1] == (2, "kept")
-    run_steps(gov, host, st.EXPLORE_S + 4 * st.COMPARE_S, share=0.5, idle=0.0, dt=ONE_FASTER, shape=(1, 1))
+    run_steps(gov, host, EXPLORE + 4 * st.COMPARE_S, share=0.5, idle=0.0, dt=ONE_FASTER, shape=(1, 1))
     assert gov.chosen == 1 and reasons(gov)[-1] == (1, "kept")             # and back when it shrinks again
+
+
+def test_long_trials_take_a_bounded_share_of_the_step_time(two_threads):
+    """Batch 32 under load: a step of the smaller team takes ~0.2 s, so a trial window (WINDOW_STEPS steps) lasts
+    1.6 s. Trials then come less often, so that they take at most TRIAL_SHARE of the step time (up to MAX_EXPLORE_S
+    between them); every EXPLORE_S they took about half of it, at the slower size."""
+    host = Host()
+    gov = make(host)
+    slow = {1: 0.20, 2: 0.12}.get
+    run_steps(gov, host, 10.0, share=0.5, idle=0.0, dt=slow, shape=(32, 32))
+    assert gov.chosen == 2
+    seen = run_steps(gov, host, 120.0, share=0.5, idle=0.0, dt=slow, shape=(32, 32))
+    trials = seen.count(1) * 0.20
+    trial_window = st.WINDOW_STEPS * 0.20
+    assert trials <= trial_window / (trial_window + st.MAX_EXPLORE_S) * 120.0 + trial_window
+    assert trials >= trial_window                                          # it still looks
+    assert all(c.full_gain == pytest.approx(1 / 0.6, rel=0.01) for c in gov.changes if c.reason == "back")
+
+
+def test_a_close_trial_keeps_the_pace_of_explore_s(two_threads):
+    """Where the two sizes run within CLEAR of each other (batch 1 under load) the next trial may decide the other
+    way, so trials stay every EXPLORE_S: a short process at batch 32 whose first trial read only 1.14x (noise) must
+    not wait MAX_EXPLORE_S at the slower size before looking again."""
+    host = Host()
+    gov = make(host)
+    run_steps(gov, host, 12 * (st.EXPLORE_S + st.COMPARE_S), share=0.5, idle=0.0, dt=EVEN)
+    trials = [c.at_s for c in gov.changes if c.reason == "trial"]
+    assert len(trials) >= 10 and max(b - a for a, b in zip(trials, trials[1:])) < st.EXPLORE_S + 2 * st.COMPARE_S
 
 
 def test_steps_of_other_shapes_are_not_compared(two_threads):

@@ -23,11 +23,19 @@ smaller team (the threads the host gives it: threads x (1 - share), at least one
 time and WINDOW_STEPS steps, or MAX_WINDOW_S), and the full team is tried for the next: it is chosen only if its
 steps ran more than MARGIN faster (a smaller team takes less of a shared host, and a single thread's rate is the
 steadier one under load), in CONFIRM trials in a row (a single window can catch the busy processes where they happen
-to suit the full team: at batch 1 one of seven read 1.34x). Every EXPLORE_S of step time at the chosen size the
+to suit the full team: at batch 1 one of seven read 1.34x). After EXPLORE_S of step time at the chosen size the
 other is tried again the same way (after a trial that asked for a switch, after one window), so a change in the load
-or in the batch finds the faster team again. Steps are compared by shape (sequences, tokens: the engine records each
-step's): the mean step time of each shape both windows ran, weighted by the steps of the rarer side. Trials cost a
-share of COMPARE_S / (EXPLORE_S + COMPARE_S) of the step time at the other size, and only while the host is busy.
+or in the batch finds the faster team again. After a trial that was clearly slower (by CLEAR or more) the wait
+grows so that such trials take at most TRIAL_SHARE of the step time (up to MAX_EXPLORE_S): at batch 32 a window of
+the smaller team lasts ~1.6 s under load (WINDOW_STEPS steps of ~0.2 s), and trials every EXPLORE_S took about half
+of the step time at a size 1.4-1.6x slower (12 s of decoding under two busy loops: a trial every 1.6-1.7 s, each
+0.8-1.6 s). With the bound, 20 s of batch-32 decoding under the same load, separate processes alternated: 374.5,
+376.4, 359.5 tok/s vs 362.3, 355.4, 361.0 before (a fixed team of two: 396.1, 382.8, 384.4). A trial within CLEAR
+keeps the pace of EXPLORE_S, as the next one may well decide the other way (a 5-s run at batch 32 whose first trial
+read 1.14x must not wait MAX_EXPLORE_S at one thread). Steps are compared by shape (sequences, tokens: the engine
+records each step's): the mean step time of each shape both windows ran, weighted by the steps of the rarer side.
+Trials cost at most TRIAL_SHARE of the step time at the other size after a clear decision (COMPARE_S / (EXPLORE_S +
+COMPARE_S) otherwise), and only while the host is busy.
 The host is quiet again when the full team waits for its CPU less than BUSY of a window, or, for a smaller team,
 when the CPUs this process may use had IDLE_PER_THREAD of a CPU idle per missing thread over a window (idle time in
 /proc/stat; a thread alone often gets a core to itself while the busy processes share the others, so its own waits
@@ -53,7 +61,10 @@ IDLE_PER_THREAD = 0.5  # idle CPU per missing thread at which a smaller team gro
 COMPARE_S = 0.3     # step time per window while the host is busy (a trial, and the window it is compared with) ...
 WINDOW_STEPS = 8    # ... and steps recorded in it, at least (batch 32 under load: ~80 ms a step) ...
 MAX_WINDOW_S = 2.0  # ... unless it has run this long
-EXPLORE_S = 1.5     # step time at the chosen size between trials of the other
+EXPLORE_S = 1.5     # step time at the chosen size between trials of the other, at least ...
+TRIAL_SHARE = 0.1   # ... and, after a trial that ran CLEAR slower, enough that such trials take at most this
+MAX_EXPLORE_S = 12.0  # share of the step time, up to this
+CLEAR = 0.25        # a trial this much slower is a clear decision
 MIN_STEPS = 3       # steps of shapes both windows ran, at least, for a comparison to decide
 MARGIN = 0.1        # the full team is chosen only when it ran this much faster than the smaller one ...
 CONFIRM = 2         # ... in this many trials in a row (and the smaller one again likewise)
@@ -166,6 +177,7 @@ class StepThreads:
         self._busy = 0.0            # step time in the current window
         self._total = 0.0           # step time since the first step
         self._since_trial = 0.0     # step time since the last trial
+        self._explore = EXPLORE_S   # step time between trials (longer after a clearly slower trial: TRIAL_SHARE)
         self._w0: float | None = None
 
     @contextmanager
@@ -210,7 +222,7 @@ class StepThreads:
         if w is None or self._w0 is None:
             return
         share = min(1.0, max(0.0, (w - self._w0) / self._busy))
-        window, self._window = self._window, Window()
+        window, self._window, window_s = self._window, Window(), self._busy
         if self.busy and not self.trial:
             self._since_trial += self._busy
         self._w0, self._busy = w, 0.0
@@ -219,7 +231,7 @@ class StepThreads:
                                             # is compared with
                 small = max(1, min(self.full - 1, round(self.full * (1.0 - share))))
                 self.busy, self.chosen, self._small, self._last, self._votes = True, small, small, None, 0
-                self._since_trial = EXPLORE_S
+                self._since_trial = self._explore = EXPLORE_S
                 self._change(small, share, idle, "busy")
         elif self.trial:
             gain = speedup(self._last, window) if self._last is not None else None
@@ -229,8 +241,12 @@ class StepThreads:
             self._votes = self._votes + 1 if want is not None and want != self.chosen else 0
             if self._votes >= CONFIRM:      # a switch needs CONFIRM trials in a row that ask for it
                 self.chosen, self._votes = want, 0
-            elif self._votes:               # one asked: the next trial comes after one window
-                self._since_trial = EXPLORE_S
+            clear = full_gain is not None and (full_gain >= 1.0 + CLEAR if self.chosen == self.full
+                                               else full_gain <= 1.0 / (1.0 + CLEAR))
+            self._explore = EXPLORE_S if not clear else \
+                min(MAX_EXPLORE_S, max(EXPLORE_S, window_s * (1.0 - TRIAL_SHARE) / TRIAL_SHARE))
+            if self._votes:                 # one asked: the next trial comes after one window
+                self._since_trial = self._explore
             if self.chosen == self.team:
                 self._last = window
             self._change(self.chosen, share, idle, "kept" if self.chosen == self.team else "back", full_gain)
@@ -245,7 +261,7 @@ class StepThreads:
             elif self.team < self.full and idle is not None and idle >= IDLE_PER_THREAD * (self.full - self.team):
                 self.busy = False
                 self._change(self.full, share, idle, "quiet")
-            elif self._since_trial >= EXPLORE_S and self._last.n:
+            elif self._since_trial >= self._explore and self._last.n:
                 self.trial = True
                 self._change(self._small if self.chosen == self.full else self.full, share, idle, "trial")
 
