@@ -234,36 +234,40 @@ class StepThreads:
                 self._since_trial = self._explore = EXPLORE_S
                 self._change(small, share, idle, "busy")
         elif self.trial:
-            gain = speedup(self._last, window) if self._last is not None else None
-            full_gain = None if gain is None else gain if self.team == self.full else 1.0 / gain
-            before, self.trial, self._since_trial = self.chosen, False, 0.0
-            want = None if full_gain is None else self.full if full_gain > 1.0 + MARGIN else self._small
-            self._votes = self._votes + 1 if want is not None and want != self.chosen else 0
-            if self._votes >= CONFIRM:      # a switch needs CONFIRM trials in a row that ask for it
-                self.chosen, self._votes = want, 0
-            clear = full_gain is not None and (full_gain >= 1.0 + CLEAR if self.chosen == self.full
-                                               else full_gain <= 1.0 / (1.0 + CLEAR))
-            self._explore = EXPLORE_S if not clear else \
-                min(MAX_EXPLORE_S, max(EXPLORE_S, window_s * (1.0 - TRIAL_SHARE) / TRIAL_SHARE))
-            if self._votes:                 # one asked: the next trial comes after one window
-                self._since_trial = self._explore
-            if self.chosen == self.team:
-                self._last = window
-            self._change(self.chosen, share, idle, "kept" if self.chosen == self.team else "back", full_gain)
-            if self.chosen != before:
-                log.debug("%d step threads ran %.2fx as fast as %d on this busy host: %d from here on", self.full,
-                          full_gain, self._small, self.chosen)
+            self._judge_trial(window, window_s, share, idle)
         else:
             self._last = window
-            if self.team == self.full and share < BUSY:
-                self.busy = False
-                self._change(self.full, share, idle, "quiet")
-            elif self.team < self.full and idle is not None and idle >= IDLE_PER_THREAD * (self.full - self.team):
+            smaller_sees_idle = self.team < self.full and idle is not None and \
+                idle >= IDLE_PER_THREAD * (self.full - self.team)
+            if (self.team == self.full and share < BUSY) or smaller_sees_idle:
                 self.busy = False
                 self._change(self.full, share, idle, "quiet")
             elif self._since_trial >= self._explore and self._last.n:
                 self.trial = True
                 self._change(self._small if self.chosen == self.full else self.full, share, idle, "trial")
+
+    def _judge_trial(self, window: Window, window_s: float, share: float, idle: float | None) -> None:
+        """A trial's window against the last one at the chosen size: a vote, a switch after CONFIRM votes, and the
+        wait before the next trial."""
+        gain = speedup(self._last, window) if self._last is not None else None
+        full_gain = None if gain is None else gain if self.team == self.full else 1.0 / gain
+        before, self.trial, self._since_trial = self.chosen, False, 0.0
+        want = None if full_gain is None else self.full if full_gain > 1.0 + MARGIN else self._small
+        self._votes = self._votes + 1 if want is not None and want != self.chosen else 0
+        if self._votes >= CONFIRM:          # a switch needs CONFIRM trials in a row that ask for it
+            self.chosen, self._votes = want, 0
+        clear = full_gain is not None and (full_gain >= 1.0 + CLEAR if self.chosen == self.full
+                                           else full_gain <= 1.0 / (1.0 + CLEAR))
+        self._explore = EXPLORE_S if not clear else \
+            min(MAX_EXPLORE_S, max(EXPLORE_S, window_s * (1.0 - TRIAL_SHARE) / TRIAL_SHARE))
+        if self._votes:                     # one asked: the next trial comes after one window
+            self._since_trial = self._explore
+        if self.chosen == self.team:
+            self._last = window
+        self._change(self.chosen, share, idle, "kept" if self.chosen == self.team else "back", full_gain)
+        if self.chosen != before:
+            log.debug("%d step threads ran %.2fx as fast as %d on this busy host: %d from here on", self.full,
+                      full_gain, self._small, self.chosen)
 
     def _change(self, team: int, share: float, idle: float | None, reason: str,
                 full_gain: float | None = None) -> None:
