@@ -6,6 +6,9 @@ from memory (a batch-1 decode step reads ~96 MB of weights). Prints steps/s per 
 loaded rate against the best quiet rate (issue 8's goal: <= 2x), and writes JSON.
 
     PYTHONPATH=. .venv/bin/python benchmarks/roving_caller.py [--rounds 2] [--seconds 4] [--out FILE]
+
+The "rescue" mode was then built in the engine and did not deliver what this model predicts (no gain in the loaded
+rate; the model has no Python between steps and assumes the engine gets half the CPU): docs/experiments/README.md.
 """
 from __future__ import annotations
 
