@@ -225,11 +225,12 @@ def _boot_engine(config: EngineConfig, timer: StepTimer, shard: Shard) -> Booted
     elif config.spec_method == "ngram":
         proposer = NgramProposer()
     settings = threads.current()
+    pinning = StepPinning(settings.pin_cpus)
     engine = Engine(runner, SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, max_model_len),
                     ledger.num_kv_blocks, ledger.block_size, spec.vocab_size, spec.eos_token_ids,
                     shard.tokenizer.decode, enable_prefix_caching=config.enable_prefix_caching, proposer=proposer,
                     num_speculative_tokens=config.num_speculative_tokens,
-                    step_threads=StepThreads(settings.threads, StepPinning(settings.pin_cpus), settings.adaptive))
+                    step_threads=StepThreads(settings.threads, pinning, settings.adaptive, spread=pinning.spread))
     with timer.step("prefix restore"):
         # Under TP the cache is split over ranks and the store holds one process's blocks: not persisted (the
         # in-memory prefix cache works as on one device).

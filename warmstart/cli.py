@@ -73,7 +73,7 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
                         "each thread is pinned to its own CPU while a step runs (WARMSTART_PIN_THREADS=0 turns that "
                         "off; OMP_PROC_BIND/OMP_PLACES in the environment win). While other processes keep the "
                         "cores busy (this thread waits for a CPU a quarter of its step time or more) a step runs on "
-                        "fewer threads, and on all of them again once the host is quiet "
+                        "fewer threads, not pinned, and on all of them, pinned, again once the host is quiet "
                         "(WARMSTART_ADAPTIVE_THREADS=0 keeps them fixed); the startup report shows all of it")
     g = p.add_argument_group("tensor parallel")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",

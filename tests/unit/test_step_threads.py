@@ -273,3 +273,16 @@ def test_idle_cpus_reads_a_busy_cpu_as_busy():
         time.sleep(0.4)
         x = idle()
     assert x is not None and 0.0 <= x < 0.2, x
+
+
+def test_the_pinning_is_told_when_the_host_turns_busy_and_quiet_again(two_threads):
+    host = Host()
+    told = []
+    gov = StepThreads(2, contextlib.nullcontext, True, wait_s=host.wait_s, idle_cpus=host.idle_cpus,
+                      clock=host.clock, spread=told.append)
+    run_steps(gov, host, 0.5, share=0.0, idle=1.0)
+    assert told == []                                                      # quiet: pinned, nothing said
+    run_steps(gov, host, 4.0, share=0.5, idle=0.0, dt=ONE_FASTER)          # trials and their verdicts: no news
+    assert told == [True] and len(gov.changes) > 2
+    run_steps(gov, host, 0.7, share=0.0, idle=0.9)
+    assert told == [True, False] and reasons(gov)[-1] == (2, "quiet")

@@ -107,6 +107,51 @@ def test_a_step_runs_one_thread_per_cpu_and_the_caller_gets_its_mask_back():
     assert str(cpus[1]) in during.values()
 
 
+SPREAD = """
+import json, os, threading, time
+from warmstart import threads
+s = threads.configure()
+import torch
+from warmstart import kernels
+from warmstart.runner.affinity import StepPinning
+def masks():
+    out = {}
+    for t in os.listdir('/proc/self/task'):
+        line = [l for l in open(f'/proc/self/task/{t}/status') if l.startswith('Cpus_allowed_list')][0]
+        out[int(t)] = line.split()[-1]
+    return out
+a = torch.randn(512, 512)
+x = torch.randn(4, 256)
+pin = StepPinning(s.pin_cpus)
+seen = []
+for spread in (False, True, False):
+    pin.spread(spread)
+    with pin():
+        inside = sorted(os.sched_getaffinity(0)); a @ a
+        kernels.silu_mul(torch.randn(64, 4096))  # a loop on the kernels' pool: its worker takes its new mask
+        time.sleep(0.1)                          # when it wakes for it
+        seen.append([inside, masks()])
+print(json.dumps([s.pin_cpus, threading.get_native_id(), seen]))
+"""
+
+
+def test_a_busy_host_unpins_the_team_and_a_quiet_one_pins_it_again():
+    """StepPinning.spread(True) (runner/step_threads.py says it when the host turns busy): the stepping thread keeps
+    its mask during steps and every worker may run on any of the CPUs; spread(False) pins them one per CPU again."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 CPUs")
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    both = f"{cpus[0]}-{cpus[1]}" if cpus[1] == cpus[0] + 1 else f"{cpus[0]},{cpus[1]}"
+    pin_cpus, me, seen = json.loads(run_py(SPREAD, affinity=set(cpus)))
+    assert pin_cpus == cpus
+    (inside0, m0), (inside1, m1), (inside2, m2) = seen
+    others = lambda m: sorted(v for t, v in m.items() if t != str(me))  # noqa: E731
+    assert inside0 == [cpus[0]] and str(cpus[1]) in others(m0)         # pinned: one thread per CPU
+    assert inside1 == cpus and str(cpus[1]) not in others(m1)          # spread: nobody holds the second CPU alone
+    assert others(m1).count(both) >= 2                                 # the OpenMP worker and the pool's worker
+    assert inside2 == [cpus[0]] and str(cpus[1]) in others(m2)         # quiet again: pinned again
+
+
 def test_dtype_rule_that_needs_no_measurement(tmp_path):
     choice = dtype_probe.choose_cpu_dtype("cpu", "avx2,fma", [(64, 32)], tmp_path)
     assert choice.dtype == "float32" and choice.fp32_us is None

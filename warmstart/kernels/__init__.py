@@ -326,6 +326,16 @@ def pin_workers(cpus: list[int]) -> int:
     return _fused.pin_workers(list(cpus)) if _fused is not None else 0
 
 
+def spread_workers(cpus: list[int]) -> int:
+    """Undo pin_workers(cpus) until it is called again: team threads t >= 1 of the calling thread's OpenMP pool, and
+    the kernels' pool's workers from their next loop on, may run on any of `cpus` (runner/affinity.py: while the
+    host is busy). Returns how many OpenMP workers were set: 0 without the compiled glue."""
+    pool = _pool_module()
+    if pool is not None and hasattr(pool, "set_pool_spread"):
+        pool.set_pool_spread(True)
+    return _fused.spread_workers(list(cpus)) if _fused is not None and hasattr(_fused, "spread_workers") else 0
+
+
 # ------------------------------------------------------------------------------------------------ decoder stack
 # The decoder's layer loop over the kernels above, in one call (csrc/decoder_stack.cpp); warmstart/models/native.py
 # decides when a model and a step may use it.

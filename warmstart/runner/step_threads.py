@@ -159,9 +159,12 @@ class StepThreads:
 
     def __init__(self, threads: int, pinning: Callable[[], ContextManager[None]], adaptive: bool = True,
                  wait_s: Callable[[], float | None] = run_queue_wait_s,
-                 idle_cpus: Callable[[], float | None] | None = None, clock: Callable[[], float] = time.perf_counter):
+                 idle_cpus: Callable[[], float | None] | None = None, clock: Callable[[], float] = time.perf_counter,
+                 spread: Callable[[bool], None] | None = None):
         self.full = max(1, threads)
         self.pinning = pinning
+        self.spread = spread        # told True when the host turns busy, False when it is quiet again (the
+                                    # pinning's own switch: runner/affinity.py StepPinning.spread)
         self.wait_s, self.clock = wait_s, clock
         self.idle_cpus = idle_cpus if idle_cpus is not None else IdleCpus(os.sched_getaffinity(0))
         self.adaptive = adaptive and self.full > 1
@@ -276,6 +279,8 @@ class StepThreads:
                                        None if idle is None else round(idle, 2), reason,
                                        None if full_gain is None else round(full_gain, 3)))
         del self.changes[:-64]
+        if reason in ("busy", "quiet") and self.spread is not None:
+            self.spread(reason == "busy")
         if reason == "busy":
             log.info("the host is busy (this thread waited for a CPU %.0f%% of its step time): %d step threads "
                      "instead of %d, and a try of %d now and then, kept where it runs faster", 100 * share, team,

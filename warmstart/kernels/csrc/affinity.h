@@ -42,4 +42,26 @@ inline int64_t pin_workers(const std::vector<int64_t>& cpus) {
   return pinned;
 }
 
+// Team threads t >= 1 of the calling thread's OpenMP pool may run on any of `cpus` (undoes pin_workers while the
+// host is busy: warmstart/runner/affinity.py). Returns how many workers were set.
+inline int64_t spread_workers(const std::vector<int64_t>& cpus) {
+  int64_t done = 0;
+#if defined(_OPENMP) && defined(__linux__)
+  const int n = static_cast<int>(cpus.size());
+  if (n < 2) return 0;
+#pragma omp parallel num_threads(n) reduction(+ : done)
+  {
+    if (omp_get_thread_num() > 0) {
+      cpu_set_t set;
+      CPU_ZERO(&set);
+      for (const int64_t c : cpus) CPU_SET(static_cast<int>(c), &set);
+      if (sched_setaffinity(0, sizeof(set), &set) == 0) done += 1;
+    }
+  }
+#else
+  (void)cpus;
+#endif
+  return done;
+}
+
 }  // namespace ws::affinity

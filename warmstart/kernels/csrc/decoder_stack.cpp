@@ -144,6 +144,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("kv_heads"), py::arg("head_dim"))
       .def("forward", &Stack::forward, py::call_guard<py::gil_scoped_release>());
   m.def("set_pool_cpus", &ws::pool::set_cpus, py::arg("cpus"));
+  m.def("set_pool_spread", &ws::pool::set_spread, py::arg("on"));
   m.def("pool_stats", &ws::pool::stats);
   m.def("set_pool_enabled", &ws::pool::set_enabled, py::arg("on"));
   m.attr("openmp") = ws::kOpenMP;

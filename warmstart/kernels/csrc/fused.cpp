@@ -13,7 +13,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &ws::fused::silu_mul, py::arg("x"), py::call_guard<py::gil_scoped_release>());
   m.def("argmax_rows", &ws::fused::argmax_rows, py::arg("x"), py::call_guard<py::gil_scoped_release>());
   m.def("pin_workers", &ws::affinity::pin_workers, py::arg("cpus"));
+  m.def("spread_workers", &ws::affinity::spread_workers, py::arg("cpus"));
   m.def("set_pool_cpus", &ws::pool::set_cpus, py::arg("cpus"));
+  m.def("set_pool_spread", &ws::pool::set_spread, py::arg("on"));
   m.def("pool_stats", &ws::pool::stats);
   m.def("set_pool_enabled", &ws::pool::set_enabled, py::arg("on"));
   m.attr("openmp") = ws::kOpenMP;

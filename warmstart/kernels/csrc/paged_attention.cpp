@@ -8,6 +8,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_lanes", [](int64_t D) { return ws::paged::int8_wide(D) ? 16 : 8; }, py::arg("head_dim"),
         "lanes of an int8 cache's tile step at this head_dim (16: the AVX-512 VNNI step), under the ISA in force");
   m.def("set_pool_cpus", &ws::pool::set_cpus, py::arg("cpus"));
+  m.def("set_pool_spread", &ws::pool::set_spread, py::arg("on"));
   m.def("pool_stats", &ws::pool::stats);
   m.def("set_pool_enabled", &ws::pool::set_enabled, py::arg("on"));
   m.attr("openmp") = ws::kOpenMP;

@@ -16,7 +16,8 @@
 // WARMSTART_THREAD_POOL=0 sends every loop to at::parallel_for (the OpenMP team), as before this pool existed.
 //
 // One pool serves the whole process (see the namespace below); ws::pool::set_cpus pins worker t to cpus[t] as
-// warmstart/runner/affinity.py pins the OpenMP team (affinity.h).
+// warmstart/runner/affinity.py pins the OpenMP team (affinity.h), and ws::pool::set_spread lets every worker run on
+// any of those CPUs while the host is busy (affinity.py says why).
 #pragma once
 #include <ATen/Parallel.h>
 
@@ -52,7 +53,7 @@
 // be built from the same pool.h; the inline namespace names the layout (bump it when the class changes) so that a
 // module built from another version (a benchmark's baseline build) gets a pool of its own instead.
 namespace ws::pool {
-inline namespace v2 {
+inline namespace v3 {
 
 // Chunk sizes are guided: chunk i takes 1/(kGuide * threads) of what is left (whole grains, at least one), so a loop
 // starts with large pieces and ends with single grains. A thread that joins late, or is slow, leaves less behind,
@@ -145,6 +146,14 @@ class Pool {
   void set_cpus(const std::vector<int64_t>& cpus) {
     std::lock_guard<std::mutex> lock(cpu_mu_);
     cpus_ = cpus;
+    spread_ = false;
+    cpu_epoch_.fetch_add(1, std::memory_order_release);
+  }
+
+  // Every worker may run on any of the CPUs set_cpus named (on: from its next loop on), or pinned one each again.
+  void set_spread(bool on) {
+    std::lock_guard<std::mutex> lock(cpu_mu_);
+    spread_ = on;
     cpu_epoch_.fetch_add(1, std::memory_order_release);
   }
 
@@ -201,7 +210,10 @@ class Pool {
     if (t < int64_t(cpus_.size())) {
       cpu_set_t set;
       CPU_ZERO(&set);
-      CPU_SET(static_cast<int>(cpus_[t]), &set);
+      if (spread_)
+        for (const int64_t c : cpus_) CPU_SET(static_cast<int>(c), &set);
+      else
+        CPU_SET(static_cast<int>(cpus_[t]), &set);
       sched_setaffinity(0, sizeof(set), &set);
     }
   }
@@ -258,6 +270,7 @@ class Pool {
   std::vector<int64_t> bounds_;  // chunk i is [bounds_[i], bounds_[i + 1])
   std::exception_ptr error_;
   std::vector<int64_t> cpus_;
+  bool spread_ = false;  // (under cpu_mu_) every worker on all of cpus_, not one each
   std::atomic<int64_t> stats_[4] = {};  // see stats(); added to by the caller under mu_
   void count(int i, int64_t by) { stats_[i].fetch_add(by, std::memory_order_relaxed); }
 };
@@ -314,5 +327,13 @@ inline void set_cpus(const std::vector<int64_t>& cpus) {
 #endif
 }
 
-}  // namespace v2
+inline void set_spread(bool on) {
+#if WS_POOL
+  Pool::get().set_spread(on);
+#else
+  (void)on;
+#endif
+}
+
+}  // namespace v3
 }  // namespace ws::pool

@@ -12,6 +12,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "hold the kernels at 'avx2' or 'avx512-vnni' or allow 'amx-bf16' (where the CPU has it); "
         "returns the level in force");
   m.def("set_pool_cpus", &ws::pool::set_cpus, py::arg("cpus"));
+  m.def("set_pool_spread", &ws::pool::set_spread, py::arg("on"));
   m.def("pool_stats", &ws::pool::stats);
   m.def("set_pool_enabled", &ws::pool::set_enabled, py::arg("on"));
   m.attr("openmp") = ws::kOpenMP;
