@@ -14,9 +14,10 @@ Default model, batch 1, two busy loops on the 2-core Zen 4 EPYC, separate proces
 129.5, 122.9, 120.4, 98.5, 122.9, 127.3, 100.8, 132.0 (mean 119.7) vs not pinned 130.7, 127.7, 143.5, 112.2, 164.3,
 135.8 and 153.1, 121.4, 128.0, 116.7, 152.2, 163.1, 117.7, 121.5 (mean 134.9), faster in 11 of the 14 rounds; quiet,
 pinned ran 275-277 tok/s against 256-271, hence pinned while quiet. This switch against the build before it, the
-same way: 10 rounds, mean 105.7 vs 97.0 tok/s, faster in 7; the engine had 0.79 cores of the 2 instead of 0.73. In one
-process, quiet and loaded alternated (`decode.py`'s paired figure, 3 processes of 4 pairs each), the loaded means
-were even (117.2 vs 117.3 tok/s; slowdown medians 2.21x vs 2.32x): the gain is within this host's spread there.
+same way: 10 rounds, mean 105.7 vs 97.0 tok/s, faster in 7. In one process, quiet and loaded alternated
+(`decode.py`'s paired figure, 3 processes of 4 pairs each), the engine had 0.79 cores of the 2 loaded instead of 0.73,
+but the loaded means were even (117.2 vs 117.3 tok/s; slowdown medians 2.21x vs 2.32x): the gain is within this
+host's spread there.
 Batch 32 under the same load was even (medians 349.5 tok/s both)."""
 from __future__ import annotations
 
