@@ -73,11 +73,13 @@ def test_pinning_needs_one_thread_per_cpu_and_yields_to_the_users_placement():
     assert settings["pin_cpus"] is None and "OMP_PLACES" in settings["pinning"]
 
 
-STEP = """
-import json, os, threading
+# a process's thread masks (Cpus_allowed_list per task) around a StepPinning of its configured threads
+PINNING = """
+import json, os, threading, time
 from warmstart import threads
 s = threads.configure()
 import torch
+from warmstart import kernels
 from warmstart.runner.affinity import StepPinning
 def masks():
     out = {}
@@ -87,6 +89,9 @@ def masks():
     return out
 a = torch.randn(512, 512)
 pin = StepPinning(s.pin_cpus)
+"""
+
+STEP = PINNING + """
 with pin():
     inside = sorted(os.sched_getaffinity(0)); a @ a
     during = masks()
@@ -107,22 +112,7 @@ def test_a_step_runs_one_thread_per_cpu_and_the_caller_gets_its_mask_back():
     assert str(cpus[1]) in during.values()
 
 
-SPREAD = """
-import json, os, threading, time
-from warmstart import threads
-s = threads.configure()
-import torch
-from warmstart import kernels
-from warmstart.runner.affinity import StepPinning
-def masks():
-    out = {}
-    for t in os.listdir('/proc/self/task'):
-        line = [l for l in open(f'/proc/self/task/{t}/status') if l.startswith('Cpus_allowed_list')][0]
-        out[int(t)] = line.split()[-1]
-    return out
-a = torch.randn(512, 512)
-x = torch.randn(4, 256)
-pin = StepPinning(s.pin_cpus)
+SPREAD = PINNING + """
 seen = []
 for spread in (False, True, False):
     pin.spread(spread)

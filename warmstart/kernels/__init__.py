@@ -331,9 +331,9 @@ def spread_workers(cpus: list[int]) -> int:
     the kernels' pool's workers from their next loop on, may run on any of `cpus` (runner/affinity.py: while the
     host is busy). Returns how many OpenMP workers were set: 0 without the compiled glue."""
     pool = _pool_module()
-    if pool is not None and hasattr(pool, "set_pool_spread"):
+    if pool is not None:
         pool.set_pool_spread(True)
-    return _fused.spread_workers(list(cpus)) if _fused is not None and hasattr(_fused, "spread_workers") else 0
+    return _fused.spread_workers(list(cpus)) if _fused is not None else 0
 
 
 # ------------------------------------------------------------------------------------------------ decoder stack
