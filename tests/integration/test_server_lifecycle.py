@@ -41,8 +41,9 @@ def test_sigterm_finishes_short_requests_aborts_long_ones_and_exits_0(ckpt, tmp_
     try:
         srv.wait_ready()
         url = f"{srv.base_url}/v1/completions"
-        # 8 x 2000 tokens takes far longer than the grace period; 16 tokens fit in it easily.
-        long_body = {"model": "tiny", "prompt": "Hello", "max_tokens": 2000, "n": 8, "temperature": 0,
+        # 32 x 2000 tokens takes far longer than the grace period (16 s on 2 quiet cores; 8 x 2000 took 2.4 s once
+        # decode steps had their GEMV, kernels.dense_linear); 16 tokens fit in it easily.
+        long_body = {"model": "tiny", "prompt": "Hello", "max_tokens": 2000, "n": 32, "temperature": 0,
                      "ignore_eos": True, "stream": True}
         short_body = {"model": "tiny", "prompt": "Hello", "max_tokens": 16, "temperature": 0, "ignore_eos": True,
                       "stream": True}
@@ -72,7 +73,7 @@ def test_sigterm_finishes_short_requests_aborts_long_ones_and_exits_0(ckpt, tmp_
     # past the grace period: aborted, and told so, then the stream ends normally
     assert long_out["lines"][-1] == "[DONE]" and "error" not in long_out
     assert long_out["lines"][-2].count('"finish_reason":"abort"') == 1
-    assert sum('"finish_reason":"abort"' in line for line in long_out["lines"]) == 8
+    assert sum('"finish_reason":"abort"' in line for line in long_out["lines"]) == 32
     log = srv.log()
     assert "engine stopped; KV blocks in use: 0" in log and "Traceback" not in log
     with pytest.raises(httpx.TransportError):

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 __all__ = ["paged_attention", "paged_attention_torch", "has_native", "NATIVE_UNAVAILABLE_REASON", "qlinear",
-           "has_qlinear", "QLINEAR_UNAVAILABLE_REASON", "qlinear_isa", "set_qlinear_isa", "panel_threshold",
+           "has_qlinear", "QLINEAR_UNAVAILABLE_REASON", "dense_linear", "DENSE_GEMV_MAX_ROWS", "qlinear_isa", "set_qlinear_isa", "panel_threshold",
            "add_rms_norm", "rotary_", "write_kv", "silu_mul", "argmax",
            "has_fused", "FUSED_UNAVAILABLE_REASON", "native_stack", "STACK_UNAVAILABLE_REASON"]
 
@@ -217,6 +217,21 @@ def qlinear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: 
     if panel_min_rows is None:
         panel_min_rows = panel_threshold(mins is not None)
     return _qlinear.qlinear(x, qweight, scales, mins, dense_min_rows, panel_min_rows)
+
+
+# Float linears at a few rows (csrc/dense_linear.h): a decode step's float32 or bfloat16 matmuls stream their weight,
+# and torch's CPU GEMM did so at about a third of the memory bandwidth (2-4x slower at 1-4 rows, 1.4-1.9x at 8:
+# SmolLM2's shapes, 30 layers and the LM head cold from memory, 2 threads, AVX-512 EPYC; issue 8's notes).
+DENSE_GEMV_MAX_ROWS = _qlinear.dense_max_rows if _qlinear is not None else 0
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias); for [M, K] CPU rows (M <= DENSE_GEMV_MAX_ROWS) whose x, weight and bias are all
+    float32 or all bfloat16, contiguous, on the compiled GEMV (float32 sums, one rounding to the dtype at the end).
+    Anything else, and torch.compile tracing, runs F.linear."""
+    if x.dim() == 2 and x.shape[0] <= DENSE_GEMV_MAX_ROWS and x.is_cpu and not torch.compiler.is_compiling():
+        return _qlinear.dense_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 # ------------------------------------------------------------------------------------------------ fused glue

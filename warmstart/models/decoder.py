@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from warmstart.models import native
-from warmstart.models.layers import GatedMLP, PagedAttention, RMSNorm, RotaryEmbedding, apply_rotary
+from warmstart.models.layers import DenseLinear, GatedMLP, PagedAttention, RMSNorm, RotaryEmbedding, apply_rotary
 from warmstart.models.spec import ModelSpec
 
 
@@ -17,10 +17,10 @@ class Attention(nn.Module):
     def __init__(self, spec: ModelSpec, layer: int):
         super().__init__()
         self.layer, self.h, self.hkv, self.d = layer, spec.num_heads, spec.num_kv_heads, spec.head_dim
-        self.q_proj = nn.Linear(spec.hidden_size, self.h * self.d, bias=spec.qkv_bias)
-        self.k_proj = nn.Linear(spec.hidden_size, self.hkv * self.d, bias=spec.qkv_bias)
-        self.v_proj = nn.Linear(spec.hidden_size, self.hkv * self.d, bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(self.h * self.d, spec.hidden_size, bias=spec.o_bias)
+        self.q_proj = DenseLinear(spec.hidden_size, self.h * self.d, bias=spec.qkv_bias)
+        self.k_proj = DenseLinear(spec.hidden_size, self.hkv * self.d, bias=spec.qkv_bias)
+        self.v_proj = DenseLinear(spec.hidden_size, self.hkv * self.d, bias=spec.qkv_bias)
+        self.o_proj = DenseLinear(self.h * self.d, spec.hidden_size, bias=spec.o_bias)
         if spec.qk_norm:
             self.q_norm = RMSNorm(self.d, spec.rms_norm_eps)
             self.k_norm = RMSNorm(self.d, spec.rms_norm_eps)
@@ -87,7 +87,7 @@ class DecoderLM(nn.Module):
         super().__init__()
         self.spec = spec
         self.model = DecoderBody(spec)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.lm_head = DenseLinear(spec.hidden_size, spec.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: PagedAttention) -> torch.Tensor:
         """Hidden states [T, hidden] for packed tokens; call compute_logits on the rows that need them."""

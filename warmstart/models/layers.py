@@ -22,6 +22,15 @@ class PagedAttention(Protocol):
     # paged cache (the compiled layer loop then writes and reads the cache itself, models/native.py), else None.
 
 
+class DenseLinear(nn.Linear):
+    """nn.Linear (same parameters, same state dict) whose few-row CPU calls, a decode step's, run warmstart's compiled
+    GEMV (kernels.dense_linear): torch's GEMM read the weight at a third of the memory bandwidth there. The compiled
+    layer loop (models/native.py) calls the same kernel, so both paths give the same bits."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.dense_linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -87,9 +96,9 @@ def _inv_freq(head_dim: int, spec: RopeSpec) -> torch.Tensor:
 class GatedMLP(nn.Module):
     def __init__(self, hidden: int, inner: int, bias: bool):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inner, bias=bias)
-        self.up_proj = nn.Linear(hidden, inner, bias=bias)
-        self.down_proj = nn.Linear(inner, hidden, bias=bias)
+        self.gate_proj = DenseLinear(hidden, inner, bias=bias)
+        self.up_proj = DenseLinear(hidden, inner, bias=bias)
+        self.down_proj = DenseLinear(inner, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "gate_up_proj"):   # fused at load (weights/quantize.fuse)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from warmstart import kernels
+from warmstart.models.layers import DenseLinear
 from warmstart.models.quant import NativeQuantLinear
 
 DISABLED_ENV = "WARMSTART_NO_NATIVE_STACK"
@@ -28,13 +29,14 @@ _STACKS: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary
 
 
 def _linear(module: nn.Module, mod) -> Any | None:
-    """A stack Linear for a plain float32 nn.Linear or a NativeQuantLinear on float32 tensors; None otherwise."""
+    """A stack Linear for a float32 DenseLinear (the stack calls its kernel, kernels.dense_linear) or a
+    NativeQuantLinear on float32 tensors; None otherwise."""
     bias = module.bias
     if bias is not None:
         if bias.dtype is not torch.float32 or not bias.is_cpu:
             return None
         bias = bias.detach()
-    if type(module) is nn.Linear:
+    if type(module) is DenseLinear:
         w = module.weight
         if w.dtype is not torch.float32 or not w.is_cpu or w.is_meta:
             return None

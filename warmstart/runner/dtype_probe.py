@@ -4,13 +4,16 @@ Rules, cheapest first:
 - No avx512_bf16: float32, no measurement (bf16 matmuls are converted to fp32 and run 2-8x slower: measured on
   this project's AVX2 hosts, benchmarks/decode.py).
 - avx512_bf16, with or without AMX: measure. The model's own linear shapes at batch 1, float32 vs bfloat16, best of
-  several runs; bfloat16 wins only if it is at least 10 % faster at batch 1, the decode case. The research host
+  several runs, on the kernel a decode step runs (kernels.dense_linear: warmstart's GEMV where it is built, else
+  torch's); bfloat16 wins only if it is at least 10 % faster at batch 1, the decode case. On the 2-core AVX-512
+  EPYC the GEMV gave the default model's float weights 69 tok/s in float32 and 86 in bfloat16 at batch 1 (torch's
+  GEMM: 28 and 28), and 250 vs 577 at batch 32. The research host
   (AVX512-BF16, no AMX) measured warmstart bf16/fp32 = 1.77x at batch 1 (shared/research/peers.md, finding 5). AMX
   used to mean bfloat16 without a measurement; on the 2-core AMX Xeon that was wrong: batch-1 linears fp32 163 us
   vs bf16 219-264 us (oneDNN's AMX tiles pay off at many rows, not at one), and the served default decoded at
   54-59 tok/s instead of 111-121.
 (Quantized linears on warmstart's integer kernels take float32 regardless: dtypes.resolve_dtype.)
-The decision is cached per (CPU model, ISA flags, torch version) under <cache>/probes/, so a restart never
+The decision is cached per (CPU model, ISA flags, torch version, probe kernel) under <cache>/probes/, so a restart never
 measures again and two boots of one machine always agree (the plan key records the requested dtype)."""
 from __future__ import annotations
 
@@ -22,8 +25,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
+from warmstart import kernels
 from warmstart.paths import atomic_write_text
 
 log = logging.getLogger("warmstart")
@@ -42,7 +45,8 @@ def choose_cpu_dtype(cpu_name: str, capability: str, shapes: list[tuple[int, int
     flags = set(capability.split(","))
     if "avx512_bf16" not in flags:
         return DtypeChoice("float32", "no avx512_bf16: bfloat16 matmuls are emulated")
-    key = hashlib.sha256(json.dumps([cpu_name, capability, torch.__version__, shapes]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(json.dumps([cpu_name, capability, torch.__version__, shapes, _probe_kernel()]).encode()
+                         ).hexdigest()[:16]
     path = cache_dir / "probes" / f"dtype-{key}.json"
     try:
         cached = DtypeChoice(**json.loads(path.read_text()))
@@ -55,6 +59,11 @@ def choose_cpu_dtype(cpu_name: str, capability: str, shapes: list[tuple[int, int
     return choice
 
 
+def _probe_kernel() -> str:
+    """What the probe times (part of its cache key: a verdict on torch's GEMM says nothing about the GEMV)."""
+    return "dense_linear" if kernels.DENSE_GEMV_MAX_ROWS >= 1 else "F.linear"
+
+
 def _measure(shapes: list[tuple[int, int]], repeats: int = 20) -> DtypeChoice:
     def best(dtype: torch.dtype) -> float:
         ws = [torch.randn(n, k).to(dtype) for n, k in shapes]
@@ -63,7 +72,7 @@ def _measure(shapes: list[tuple[int, int]], repeats: int = 20) -> DtypeChoice:
         for _ in range(repeats):
             t0 = time.perf_counter()
             for xi, w in zip(x, ws):
-                F.linear(xi, w)
+                kernels.dense_linear(xi, w)
             times.append(time.perf_counter() - t0)
         return min(times) * 1e6
 

@@ -34,7 +34,8 @@ class DeviceFacts:
     def has_fast_bf16(self) -> bool:
         if self.kind == "cuda":
             return int(self.capability.removeprefix("sm_")) >= 80
-        return "amx_bf16" in self.capability.split(",")
+        # AVX512-BF16's vdpbf16ps (kernels/csrc/dense_linear.h) or AMX tiles: bfloat16 products in hardware
+        return bool({"amx_bf16", "avx512_bf16"} & set(self.capability.split(",")))
 
 
 class Device(ABC):

@@ -1,7 +1,7 @@
 // The decoder's layer loop for a step whose every row reads the paged cache (decode, short chunks), in one call.
 // At batch 1 a layer's work is ~0.3 ms and the Python around it (module calls, argument checks, views: ~15 calls per
 // layer) cost half as much again. This runs exactly the calls the Python decoder makes, in the same order, through
-// the same kernels (fused.h, qlinear.h, paged_attention.h; dense float linears through at::linear as nn.Linear does),
+// the same kernels (fused.h, qlinear.h, paged_attention.h; float linears through dense_linear.h as DenseLinear does),
 // so its results are bit-identical to the Python path, which stays for every other case (prefill over fresh
 // prompts, mixed routes, the memory profile, torch.compile, CUDA, other dtypes). warmstart/models/native.py decides
 // when a model is eligible and builds the Stack from its modules.
@@ -12,6 +12,7 @@
 #include <tuple>
 #include <vector>
 
+#include "dense_linear.h"
 #include "fused.h"
 #include "paged_attention.h"
 #include "qlinear.h"
@@ -19,7 +20,7 @@
 // Internal linkage (pybind11 binds hidden-visibility types without warnings).
 namespace {
 
-// One linear: a float weight (nn.Linear), or a quantized one (NativeQuantLinear: int4 with mins, or int8).
+// One linear: a float weight (DenseLinear), or a quantized one (NativeQuantLinear: int4 with mins, or int8).
 struct Linear {
   at::Tensor weight;                     // defined for a float linear
   at::Tensor qweight, scales;            // quantized
@@ -27,7 +28,7 @@ struct Linear {
   int64_t dense_min_rows = 0, panel_min_rows = 0;
 
   at::Tensor operator()(const at::Tensor& x) const {
-    if (weight.defined()) return at::linear(x, weight, bias);
+    if (weight.defined()) return ws::dense::linear(x, weight, bias);
     at::Tensor y = ws::qlinear::qlinear(x, qweight, scales, mins, dense_min_rows, panel_min_rows);
     return bias ? y.add_(*bias) : y;
   }

@@ -1,4 +1,5 @@
-// Python binding of quantized linears (see qlinear.h).
+// Python binding of quantized linears (see qlinear.h) and few-row float linears (dense_linear.h).
+#include "dense_linear.h"
 #include "qlinear.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -6,6 +7,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins") = py::none(), py::arg("dense_min_rows") = 0,
         py::arg("panel_min_rows") = 0,
         py::call_guard<py::gil_scoped_release>());
+  m.def("dense_linear", &ws::dense::linear,
+        "float32 or bfloat16 x @ w.T + b at up to dense_max_rows rows (decode); at::linear otherwise",
+        py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
+  m.attr("dense_max_rows") = ws::dense::kMaxRows;
   m.attr("simd") = WS_AVX2 ? "avx2+fma" : "scalar";   // what this build was compiled for
   m.def("isa", &ws::qlinear::isa, "the kernels in force: amx-bf16 or avx512-vnni (chosen at run time), avx2 or scalar");
   m.def("set_isa", &ws::qlinear::set_isa, py::arg("name"),
