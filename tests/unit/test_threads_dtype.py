@@ -184,6 +184,6 @@ def test_quantized_linears_on_the_native_kernels_take_float32(tmp_path, monkeypa
 def test_avx512_bf16_is_measured_once_and_cached(tmp_path, monkeypatch):
     first = dtype_probe.choose_cpu_dtype("cpu", "avx512f,avx512_bf16", [(256, 128)], tmp_path)
     assert first.reason == "measured" and first.fp32_us > 0 and first.bf16_us > 0
-    assert first.dtype == ("bfloat16" if first.fp32_us >= first.bf16_us * dtype_probe.MARGIN else "float32")
+    assert first.dtype == ("bfloat16" if first.ratio >= dtype_probe.MARGIN else "float32")
     monkeypatch.setattr(dtype_probe, "_measure", lambda shapes: pytest.fail("measured twice"))
     assert dtype_probe.choose_cpu_dtype("cpu", "avx512f,avx512_bf16", [(256, 128)], tmp_path) == first

@@ -228,10 +228,25 @@ DENSE_GEMV_MAX_ROWS = _qlinear.dense_max_rows if _qlinear is not None else 0
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias); for [M, K] CPU rows (M <= DENSE_GEMV_MAX_ROWS) whose x, weight and bias are all
     float32 or all bfloat16, contiguous, on the compiled GEMV (float32 sums, one rounding to the dtype at the end).
-    Anything else, and torch.compile tracing, runs F.linear."""
-    if x.dim() == 2 and x.shape[0] <= DENSE_GEMV_MAX_ROWS and x.is_cpu and not torch.compiler.is_compiling():
+    Anything else runs F.linear. Under torch.compile a CPU call is the opaque op warmstart::dense_linear, which
+    makes the same choice at run time, so a compiled step multiplies exactly as the eager one."""
+    if _qlinear is None:
+        return F.linear(x, weight, bias)
+    if torch.compiler.is_compiling():
+        return torch.ops.warmstart.dense_linear(x, weight, bias) if x.is_cpu else F.linear(x, weight, bias)
+    if x.dim() == 2 and x.shape[0] <= DENSE_GEMV_MAX_ROWS and x.is_cpu:
         return _qlinear.dense_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+if _qlinear is not None:
+    @torch.library.custom_op("warmstart::dense_linear", mutates_args=())
+    def _dense_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return _qlinear.dense_linear(x, weight, bias)
+
+    @_dense_linear_op.register_fake
+    def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 # ------------------------------------------------------------------------------------------------ fused glue
