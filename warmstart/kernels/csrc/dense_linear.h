@@ -110,44 +110,60 @@ inline void tile_avx2(const T* x, int64_t K, const T* w, float sums[R][C]) {
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12 on its own _mm512_undefined_* in the intrinsics
 #pragma GCC diagnostic ignored "-Wuninitialized"
-// float32 on 16 lanes; the tail (K % 16) by masked loads, zeros elsewhere.
+// float32 on 16 lanes; the tail (K % 16) by masked loads, zeros elsewhere. The loop body is written out twice, not
+// shared through a lambda: with the accumulators captured by reference GCC 12 stored all of them to the stack on
+// every step, and from 2 rows on the stores, not the memory, set the speed (4 rows: 18.8 ms a SmolLM2 step).
 template <int R, int C>
 inline void tile_f32_512(const float* x, int64_t K, const float* w, float sums[R][C]) {
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
-  auto step = [&](int64_t k, __mmask16 m) __attribute__((always_inline)) {
+  const int64_t full = K & ~int64_t(15);
+  for (int64_t k = 0; k < full; k += 16) {
     __m512 wv[C];
-    for (int c = 0; c < C; ++c) wv[c] = _mm512_maskz_loadu_ps(m, w + c * K + k);
+    for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_ps(w + c * K + k);
     for (int r = 0; r < R; ++r) {
-      const __m512 xv = _mm512_maskz_loadu_ps(m, x + r * K + k);
+      const __m512 xv = _mm512_loadu_ps(x + r * K + k);
       for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
     }
-  };
-  int64_t k = 0;
-  for (; k + 16 <= K; k += 16) step(k, 0xFFFF);
-  if (k < K) step(k, static_cast<__mmask16>((1u << (K - k)) - 1));
+  }
+  if (full < K) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (K - full)) - 1);
+    __m512 wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = _mm512_maskz_loadu_ps(m, w + c * K + full);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_maskz_loadu_ps(m, x + r * K + full);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
+    }
+  }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) sums[r][c] = _mm512_reduce_add_ps(acc[r][c]);
 }
 
-// bfloat16 by vdpbf16ps: 32 products a instruction, summed in pairs into 16 float32 lanes.
+// bfloat16 by vdpbf16ps: 32 products a instruction, summed in pairs into 16 float32 lanes (written out as above).
 template <int R, int C>
 inline void tile_bf16_512(const uint16_t* x, int64_t K, const uint16_t* w, float sums[R][C]) {
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
-  auto step = [&](int64_t k, __mmask32 m) __attribute__((always_inline)) {
+  const int64_t full = K & ~int64_t(31);
+  for (int64_t k = 0; k < full; k += 32) {
     __m512bh wv[C];
-    for (int c = 0; c < C; ++c) wv[c] = (__m512bh)_mm512_maskz_loadu_epi16(m, w + c * K + k);
+    for (int c = 0; c < C; ++c) wv[c] = (__m512bh)_mm512_loadu_si512(w + c * K + k);
     for (int r = 0; r < R; ++r) {
-      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(m, x + r * K + k);
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * K + k);
       for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
     }
-  };
-  int64_t k = 0;
-  for (; k + 32 <= K; k += 32) step(k, 0xFFFFFFFFu);
-  if (k < K) step(k, static_cast<__mmask32>((1ull << (K - k)) - 1));
+  }
+  if (full < K) {
+    const __mmask32 m = static_cast<__mmask32>((1ull << (K - full)) - 1);
+    __m512bh wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = (__m512bh)_mm512_maskz_loadu_epi16(m, w + c * K + full);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(m, x + r * K + full);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
+    }
+  }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) sums[r][c] = _mm512_reduce_add_ps(acc[r][c]);
 }
