@@ -114,14 +114,68 @@ def test_silu_mul_extremes():
     assert torch.allclose(got, F.silu(gate), atol=1e-6, rtol=1e-5)
 
 
-def test_half_precision_inputs_take_the_torch_path():
-    """bf16 activations (and CUDA, and torch.compile tracing) use the torch ops: same results as the reference."""
-    x, w = torch.randn(4, 64, dtype=torch.bfloat16), torch.randn(64, dtype=torch.bfloat16)
+def test_float16_inputs_take_the_torch_path():
+    """float16 activations (and CUDA, and torch.compile tracing) use the torch ops: same results as the reference."""
+    x, w = torch.randn(4, 64, dtype=torch.float16), torch.randn(64, dtype=torch.float16)
     out, h = kernels.add_rms_norm(x, None, w, 1e-6)
-    assert out.dtype == torch.bfloat16 and h is x
-    assert torch.allclose(out.float(), _rms_ref(x.float(), w.float(), 1e-6), atol=3e-2, rtol=2e-2)
-    y = torch.randn(4, 128, dtype=torch.bfloat16)
+    assert out.dtype == torch.float16 and h is x
+    assert torch.equal(out, w * F.rms_norm(x.float(), (64,), eps=1e-6).to(x.dtype))
+    y = torch.randn(4, 128, dtype=torch.float16)
     assert torch.equal(kernels.silu_mul(y), F.silu(y[:, :64]) * y[:, 64:])
+    with pytest.raises(RuntimeError):                  # and the compiled kernels refuse it outright
+        kernels._fused.silu_mul(y)
+
+
+def _close_in_bf16(got: torch.Tensor, want: torch.Tensor) -> None:
+    """bfloat16 results of the same math with the same roundings: within one bfloat16 step of the torch ops' (fp32
+    sums in another order may cross a rounding boundary), and nearly all of them equal."""
+    assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
+    step = want.float().abs() * 2.0 ** -7 + 1e-30
+    assert ((got.float() - want.float()).abs() <= step).all()
+    assert (got == want).float().mean().item() > 0.97
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_bfloat16_glue_rounds_as_the_torch_ops(rows):
+    """A bfloat16 model's decode step runs the compiled glue too (and the decoder stack with it): each op's result
+    rounded to bfloat16 where the torch reference rounds it."""
+    bf = torch.bfloat16
+    d, eps = 576, 1e-5
+    x, w, res = torch.randn(rows, d, dtype=bf), torch.randn(d, dtype=bf), torch.randn(rows, d, dtype=bf)
+    h_want = x + res
+    want = w * F.rms_norm(h_want.float(), (d,), eps=eps).to(bf)
+    out, h = kernels.add_rms_norm(x, res, w, eps)
+    assert h is res and torch.equal(h, h_want)           # the residual add is one bfloat16 add, in place
+    _close_in_bf16(out, want)
+    out0, h0 = kernels.add_rms_norm(x, None, w, eps)
+    assert h0 is x
+    _close_in_bf16(out0, w * F.rms_norm(x.float(), (d,), eps=eps).to(bf))
+
+    heads, hd = 9, 64
+    q = torch.randn(rows, heads * hd, dtype=bf).view(rows, heads, hd)
+    ang = torch.randn(rows, 1, hd)
+    cos, sin = ang.cos().to(bf), ang.sin().to(bf)
+    q_want = _rotate_ref(q, cos, sin)
+    _close_in_bf16(kernels.rotary_(q, cos, sin), q_want)
+
+    g = torch.randn(rows, 2 * 1536, dtype=bf) * 4
+    _close_in_bf16(kernels.silu_mul(g), F.silu(g[:, :1536]) * g[:, 1536:])
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32, torch.float16, torch.int8])
+def test_write_kv_from_bfloat16(cache_dtype):
+    rows, hkv, d, slots_total = 5, 3, 64, 50
+    k, v = (torch.randn(rows, hkv, d, dtype=torch.bfloat16) for _ in range(2))
+    slots = torch.randperm(slots_total)[:rows]
+    width = d + kernels.KV_SCALE_BYTES if cache_dtype is torch.int8 else d
+    kc = torch.zeros(slots_total, hkv, width, dtype=cache_dtype)
+    vc = kc.clone()
+    kc_want, vc_want = kc.clone(), vc.clone()
+    conv = kernels.quantize_kv_rows if cache_dtype is torch.int8 else (lambda t: t.to(cache_dtype))
+    kc_want.index_copy_(0, slots, conv(k))
+    vc_want.index_copy_(0, slots, conv(v))
+    kernels._fused.write_kv(k, v, kc, vc, slots)      # the compiled path itself
+    assert torch.equal(kc, kc_want) and torch.equal(vc, vc_want)
 
 
 @pytest.mark.parametrize("rows", (1, 5, 33))

@@ -251,8 +251,9 @@ if _qlinear is not None:
 
 # ------------------------------------------------------------------------------------------------ fused glue
 # The decode step's small ops, one call each (csrc/fused.h): at batch 1 their dispatch cost rivals the matmuls.
-# Each function takes the compiled path for float32 CPU tensors and a pure-torch path with the same semantics
-# otherwise (bf16/fp16 activations, CUDA, torch.compile tracing, no compiler at install time).
+# Each function takes the compiled path for float32 or bfloat16 CPU tensors (all of one dtype; argmax float32 only)
+# and a pure-torch path with the same semantics otherwise (float16 activations, CUDA, torch.compile tracing, no
+# compiler at install time).
 _fused, FUSED_UNAVAILABLE_REASON = _load_native("_fused")
 
 
@@ -263,8 +264,11 @@ def has_fused() -> bool:
 def _use_fused(*tensors: torch.Tensor) -> bool:
     if _fused is None or torch.compiler.is_compiling():
         return False
+    dtype = tensors[0].dtype
+    if dtype is not torch.float32 and dtype is not torch.bfloat16:
+        return False
     for t in tensors:                      # a plain loop: this check runs ~10 times per layer per step
-        if t.dtype is not torch.float32 or not t.is_cpu:
+        if t.dtype is not dtype or not t.is_cpu:
             return False
     return True
 
@@ -273,8 +277,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(rmsnorm(h) * weight, h) where h = x + residual, or h = x without a residual. x, residual [T, D]; the
     compiled path updates `residual` in place. Normalisation is in float32 (as transformers does), cast back."""
-    if _use_fused(x, weight) and (residual is None or _use_fused(residual)) and x.dim() == 2 and x.stride(1) == 1 \
-            and (residual is None or residual.stride(1) == 1):
+    if (_use_fused(x, weight) if residual is None else _use_fused(x, weight, residual)) and x.dim() == 2 \
+            and x.stride(1) == 1 and (residual is None or residual.stride(1) == 1):
         return _fused.add_rms_norm(x, residual, weight, eps), (x if residual is None else residual)
     h = x if residual is None else x + residual
     return weight * F.rms_norm(h.float(), (h.shape[-1],), eps=eps).to(h.dtype), h
@@ -318,7 +322,7 @@ def argmax(x: torch.Tensor) -> list[int]:
     """The index of each row's maximum of x [B, V], as torch.argmax picks it (the first maximum; a NaN counts as
     the maximum). The compiled path runs on this thread and the kernels' pool, not on the OpenMP team (csrc/fused.h
     says why)."""
-    if _use_fused(x) and x.dim() == 2 and x.stride(1) == 1 and x.shape[1] > 0:
+    if _use_fused(x) and x.dtype is torch.float32 and x.dim() == 2 and x.stride(1) == 1 and x.shape[1] > 0:
         return _fused.argmax_rows(x).tolist()
     return x.max(dim=-1).indices.tolist()
 

@@ -3,7 +3,7 @@
 // layer) cost half as much again. This runs exactly the calls the Python decoder makes, in the same order, through
 // the same kernels (fused.h, qlinear.h, paged_attention.h; float linears through dense_linear.h as DenseLinear does),
 // so its results are bit-identical to the Python path, which stays for every other case (prefill over fresh
-// prompts, mixed routes, the memory profile, torch.compile, CUDA, other dtypes). warmstart/models/native.py decides
+// prompts, mixed routes, the memory profile, torch.compile, CUDA, float16). warmstart/models/native.py decides
 // when a model is eligible and builds the Stack from its modules.
 #include <memory>
 #include <mutex>
@@ -56,6 +56,7 @@ class Stack {
                                              const at::Tensor& block_tables, const at::Tensor& seq_idx,
                                              const at::Tensor& ctx_lens, double scale) const {
     TORCH_CHECK(kv.dim() == 6 && kv.size(1) == int64_t(layers_.size()), "kv must be [2, layers, blocks, bs, Hkv, D]");
+    TORCH_CHECK(layers_.empty() || x.scalar_type() == layers_[0].ln1.scalar_type(), "x must be in the model's dtype");
     const int64_t T = x.size(0);
     const std::shared_ptr<const std::vector<CacheViews>> views = cache_views(kv);
     std::optional<at::Tensor> residual;
@@ -80,6 +81,7 @@ class Stack {
       const CacheViews& c = (*views)[i];
       ws::fused::write_kv(k, v, c.k_rows, c.v_rows, slots);
       at::Tensor a = ws::paged::paged_attention(q, c.k, c.v, block_tables, seq_idx, ctx_lens, scale);
+      if (a.scalar_type() != x.scalar_type()) a = a.to(x.scalar_type());  // float32 out, as kernels.paged_attention
       // MLP block
       h = ws::fused::add_rms_norm(L.o(a.reshape({T, H_ * D_})), residual, L.ln2, L.eps);
       x = L.down(L.gate_up.size() == 1 ? ws::fused::silu_mul(L.gate_up[0](h))

@@ -2,7 +2,8 @@
 // small aten ops around them (RMSNorm's pow/mean/rsqrt/mul, RoPE's slices/neg/cat, SiLU*up, two index_copy_ into
 // the cache) cost as much again in dispatch alone. Each function below is one call doing one of those jobs in a
 // single pass over its rows. All math is fp32, in the same order as the torch reference in warmstart/kernels, so
-// results match it to rounding. Rows are split across threads only when there are enough of them to pay for the
+// results match it to rounding. add_rms_norm, rotary_, write_kv and silu_mul also take bfloat16 rows (a bfloat16
+// model's decode step): math in fp32, rounded to bfloat16 where the torch reference rounds, each op's result. Rows are split across threads only when there are enough of them to pay for the
 // wake-up (a decode step's handful of rows runs on the calling thread).
 #pragma once
 #include <torch/extension.h>
@@ -12,6 +13,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 #include "pool.h"
 #include "vec_math.h"
@@ -25,100 +28,143 @@ void check_f32_rows(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with contiguous rows");
 }
 
+// float32 or bfloat16 rows (the activations' dtypes these kernels take).
+void check_rows(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && (t.scalar_type() == torch::kFloat || t.scalar_type() == torch::kBFloat16), name,
+              " must be a float32 or bfloat16 CPU tensor");
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with contiguous rows");
+}
+
+inline float f32(float v) { return v; }
+inline float f32(at::BFloat16 v) { return static_cast<float>(v); }
+// v as T: bfloat16 rounds to nearest even (as torch's ops store their bfloat16 results); float32 keeps it.
+template <typename T>
+inline T as(float v) { return static_cast<T>(v); }
+// v rounded as a T op would store it, back in float32 (the identity for float32).
+template <typename T>
+inline float rounded(float v) { return f32(static_cast<T>(v)); }
+
 // normed = rmsnorm(h) * w where h = x + residual (then residual <- h, in place) or h = x when there is no residual.
-torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps) {
-  check_f32_rows(x, "x");
-  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == torch::kFloat && weight.numel() == x.size(1),
-              "weight must be float32 [D]");
-  const int64_t T = x.size(0), D = x.size(1);
-  float* res = nullptr;
-  int64_t rs = 0;
-  if (residual.has_value()) {
-    check_f32_rows(*residual, "residual");
-    TORCH_CHECK(residual->size(0) == T && residual->size(1) == D, "residual must match x");
-    res = residual->data_ptr<float>();
-    rs = residual->stride(0);
-  }
-  auto out = torch::empty({T, D}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* w = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t xs = x.stride(0);
-  const float feps = static_cast<float>(eps);
-  ws::pool::parallel_for(0, T, kRowGrain, [&](int64_t begin, int64_t end) {
+// bfloat16: h rounded to bfloat16 (x + residual is a bfloat16 add), the normalised row rounded, then w * it rounded,
+// as `w * F.rms_norm(h.float()).to(h.dtype)` rounds.
+template <typename T>
+void add_rms_norm_rows(const T* xp, int64_t xs, T* res, int64_t rs, const T* w, T* op, int64_t T_, int64_t D,
+                       float feps) {
+  ws::pool::parallel_for(0, T_, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const float* xr = xp + t * xs;
-      float* o = op + t * D;
-      const float* h = xr;
+      const T* xr = xp + t * xs;
+      T* o = op + t * D;
+      const T* h = xr;
       if (res) {
-        float* r = res + t * rs;
-        for (int64_t i = 0; i < D; ++i) r[i] += xr[i];
+        T* r = res + t * rs;
+        for (int64_t i = 0; i < D; ++i) r[i] = as<T>(f32(r[i]) + f32(xr[i]));
         h = r;
       }
       float ss = 0.f;
-      for (int64_t i = 0; i < D; ++i) ss += h[i] * h[i];
+      for (int64_t i = 0; i < D; ++i) ss += f32(h[i]) * f32(h[i]);
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + feps);
-      for (int64_t i = 0; i < D; ++i) o[i] = w[i] * (h[i] * inv);
+      for (int64_t i = 0; i < D; ++i) o[i] = as<T>(f32(w[i]) * rounded<T>(f32(h[i]) * inv));
     }
   });
+}
+
+torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps) {
+  check_rows(x, "x");
+  const auto dt = x.scalar_type();
+  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == dt && weight.numel() == x.size(1),
+              "weight must be [D] in x's dtype");
+  const int64_t T = x.size(0), D = x.size(1);
+  if (residual.has_value()) {
+    check_rows(*residual, "residual");
+    TORCH_CHECK(residual->size(0) == T && residual->size(1) == D && residual->scalar_type() == dt,
+                "residual must match x");
+  }
+  auto out = torch::empty({T, D}, x.options());
+  const float feps = static_cast<float>(eps);
+  const int64_t rs = residual ? residual->stride(0) : 0;
+  if (dt == torch::kFloat)
+    add_rms_norm_rows<float>(x.data_ptr<float>(), x.stride(0), residual ? residual->data_ptr<float>() : nullptr, rs,
+                             weight.data_ptr<float>(), out.data_ptr<float>(), T, D, feps);
+  else
+    add_rms_norm_rows<at::BFloat16>(x.data_ptr<at::BFloat16>(), x.stride(0),
+                                    residual ? residual->data_ptr<at::BFloat16>() : nullptr, rs,
+                                    weight.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), T, D, feps);
   return out;
 }
 
 // Rotate-half RoPE in place on x [T, n, D] (rows of any stride, heads contiguous): for i < D/2,
-// x[i] <- x[i] cos[i] - x[i+D/2] sin[i], x[i+D/2] <- x[i+D/2] cos[i+D/2] + x[i] sin[i+D/2]. cos, sin [T, D].
-void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat && x.dim() == 3, "x must be float32 [T, n, D]");
-  const int64_t T = x.size(0), n = x.size(1), D = x.size(2), half = D / 2;
-  TORCH_CHECK(x.stride(2) == 1 && x.stride(1) == D && D % 2 == 0, "x must have contiguous heads of even size");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == torch::kFloat &&
-              sin.scalar_type() == torch::kFloat && cos.numel() == T * D && sin.numel() == T * D,
-              "cos and sin must be contiguous float32 [T, D]");
-  float* xp = x.data_ptr<float>();
-  const float* c = cos.data_ptr<float>();
-  const float* s = sin.data_ptr<float>();
-  const int64_t xs = x.stride(0);
-  ws::pool::parallel_for(0, T, kRowGrain, [&](int64_t begin, int64_t end) {
+// x[i] <- x[i] cos[i] - x[i+D/2] sin[i], x[i+D/2] <- x[i+D/2] cos[i+D/2] + x[i] sin[i+D/2]. cos, sin [T, D] in x's
+// dtype. bfloat16: each product rounded, then their sum, as `x * cos + rotate_half(x) * sin` rounds.
+template <typename T>
+void rotary_rows(T* xp, int64_t xs, const T* c, const T* s, int64_t T_, int64_t n, int64_t D) {
+  const int64_t half = D / 2;
+  ws::pool::parallel_for(0, T_, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const float* ct = c + t * D;
-      const float* st = s + t * D;
+      const T* ct = c + t * D;
+      const T* st = s + t * D;
       for (int64_t h = 0; h < n; ++h) {
-        float* v = xp + t * xs + h * D;
+        T* v = xp + t * xs + h * D;
         for (int64_t i = 0; i < half; ++i) {
-          const float a = v[i], b = v[i + half];
-          v[i] = a * ct[i] - b * st[i];
-          v[i + half] = b * ct[i + half] + a * st[i + half];
+          const float a = f32(v[i]), b = f32(v[i + half]);
+          if constexpr (std::is_same_v<T, float>) {
+            v[i] = a * ct[i] - b * st[i];
+            v[i + half] = b * ct[i + half] + a * st[i + half];
+          } else {
+            v[i] = as<T>(rounded<T>(a * f32(ct[i])) + rounded<T>(-b * f32(st[i])));
+            v[i + half] = as<T>(rounded<T>(b * f32(ct[i + half])) + rounded<T>(a * f32(st[i + half])));
+          }
         }
       }
     }
   });
 }
 
+void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  const auto dt = x.scalar_type();
+  TORCH_CHECK(x.device().is_cpu() && (dt == torch::kFloat || dt == torch::kBFloat16) && x.dim() == 3,
+              "x must be float32 or bfloat16 [T, n, D]");
+  const int64_t T = x.size(0), n = x.size(1), D = x.size(2);
+  TORCH_CHECK(x.stride(2) == 1 && x.stride(1) == D && D % 2 == 0, "x must have contiguous heads of even size");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == dt && sin.scalar_type() == dt &&
+              cos.numel() == T * D && sin.numel() == T * D, "cos and sin must be contiguous [T, D] in x's dtype");
+  if (dt == torch::kFloat)
+    rotary_rows<float>(x.data_ptr<float>(), x.stride(0), cos.data_ptr<float>(), sin.data_ptr<float>(), T, n, D);
+  else
+    rotary_rows<at::BFloat16>(x.data_ptr<at::BFloat16>(), x.stride(0), cos.data_ptr<at::BFloat16>(),
+                              sin.data_ptr<at::BFloat16>(), T, n, D);
+}
+
 template <typename T>
 inline T from_float(float v) { return static_cast<T>(v); }
 
-template <typename C>
+template <typename C, typename S>
 void write_rows(const torch::Tensor& src, torch::Tensor& cache, const int64_t* slots, int64_t T, int64_t width) {
-  const float* sp = src.data_ptr<float>();
+  const S* sp = src.data_ptr<S>();
   const int64_t ss = src.stride(0);
   C* cp = cache.data_ptr<C>();
   for (int64_t t = 0; t < T; ++t) {
-    const float* row = sp + t * ss;
+    const S* row = sp + t * ss;
     C* dst = cp + slots[t] * width;
-    for (int64_t i = 0; i < width; ++i) dst[i] = from_float<C>(row[i]);
+    if constexpr (std::is_same_v<C, S>) std::memcpy(dst, row, width * sizeof(C));
+    else for (int64_t i = 0; i < width; ++i) dst[i] = from_float<C>(f32(row[i]));
   }
 }
 
 // int8 rows: each (token, head) row of D values becomes D codes and its float32 scale, stored after them
 // (cache [slots, Hkv, D + 4] int8): scale = max|x| / 127, code = round-half-even(x / scale), 0 for an all-zero row.
 // kernels.write_kv's torch path computes exactly this (same float32 divisions), so both write the same bytes.
+template <typename S>
 inline void write_rows_i8(const torch::Tensor& src, torch::Tensor& cache, const int64_t* slots, int64_t T,
                           int64_t Hkv, int64_t D) {
-  const float* sp = src.data_ptr<float>();
+  const S* sp = src.data_ptr<S>();
   const int64_t ss = src.stride(0), row = D + int64_t(sizeof(float));
   int8_t* cp = cache.data_ptr<int8_t>();
+  std::vector<float> xf(D);
   for (int64_t t = 0; t < T; ++t)
     for (int64_t h = 0; h < Hkv; ++h) {
-      const float* x = sp + t * ss + h * D;
+      const S* xs = sp + t * ss + h * D;
+      for (int64_t i = 0; i < D; ++i) xf[i] = f32(xs[i]);
+      const float* x = xf.data();
       int8_t* dst = cp + (slots[t] * Hkv + h) * row;
       float amax = 0.f;
       for (int64_t i = 0; i < D; ++i) amax = std::max(amax, std::fabs(x[i]));
@@ -132,9 +178,29 @@ inline void write_rows_i8(const torch::Tensor& src, torch::Tensor& cache, const 
 // k_cache[slots[t]] = k[t], v_cache[slots[t]] = v[t]; k, v [T, Hkv, D] float32 (rows of any stride, heads
 // contiguous), caches [slots, Hkv, D] contiguous in float32, bfloat16 or float16 (round to nearest even), or int8
 // [slots, Hkv, D + 4] (write_rows_i8).
+template <typename S>
+void write_kv_rows(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache, torch::Tensor& v_cache,
+                   const int64_t* sl, int64_t T, int64_t width) {
+  switch (k_cache.scalar_type()) {
+    case torch::kFloat:
+      write_rows<float, S>(k, k_cache, sl, T, width); write_rows<float, S>(v, v_cache, sl, T, width); break;
+    case torch::kBFloat16:
+      write_rows<at::BFloat16, S>(k, k_cache, sl, T, width); write_rows<at::BFloat16, S>(v, v_cache, sl, T, width);
+      break;
+    case torch::kHalf:
+      write_rows<at::Half, S>(k, k_cache, sl, T, width); write_rows<at::Half, S>(v, v_cache, sl, T, width); break;
+    case torch::kChar:
+      write_rows_i8<S>(k, k_cache, sl, T, k.size(1), k.size(2));
+      write_rows_i8<S>(v, v_cache, sl, T, k.size(1), k.size(2));
+      break;
+    default: TORCH_CHECK(false, "cache dtype must be float32, bfloat16, float16 or int8");
+  }
+}
+
 void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots) {
-  TORCH_CHECK(k.scalar_type() == torch::kFloat && v.scalar_type() == torch::kFloat && k.dim() == 3 && v.dim() == 3,
-              "k and v must be float32 [T, Hkv, D]");
+  const auto dt = k.scalar_type();
+  TORCH_CHECK((dt == torch::kFloat || dt == torch::kBFloat16) && v.scalar_type() == dt && k.dim() == 3 &&
+              v.dim() == 3, "k and v must be float32 or bfloat16 [T, Hkv, D], of one dtype");
   const int64_t T = k.size(0), width = k.size(1) * k.size(2);
   TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2) &&
               v.sizes() == k.sizes(), "k and v must have contiguous heads and equal shapes");
@@ -148,28 +214,36 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
   const int64_t* sl = slots.data_ptr<int64_t>();
   const int64_t capacity = k_cache.numel() / cache_width;
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sl[t] >= 0 && sl[t] < capacity, "slot out of range");
-  switch (k_cache.scalar_type()) {
-    case torch::kFloat: write_rows<float>(k, k_cache, sl, T, width); write_rows<float>(v, v_cache, sl, T, width); break;
-    case torch::kBFloat16:
-      write_rows<at::BFloat16>(k, k_cache, sl, T, width); write_rows<at::BFloat16>(v, v_cache, sl, T, width); break;
-    case torch::kHalf: write_rows<at::Half>(k, k_cache, sl, T, width); write_rows<at::Half>(v, v_cache, sl, T, width); break;
-    case torch::kChar:
-      write_rows_i8(k, k_cache, sl, T, k.size(1), k.size(2));
-      write_rows_i8(v, v_cache, sl, T, k.size(1), k.size(2));
-      break;
-    default: TORCH_CHECK(false, "cache dtype must be float32, bfloat16, float16 or int8");
-  }
+  if (dt == torch::kFloat) write_kv_rows<float>(k, v, k_cache, v_cache, sl, T, width);
+  else write_kv_rows<at::BFloat16>(k, v, k_cache, v_cache, sl, T, width);
 }
 
-// [T, 2I] (gate | up) -> silu(gate) * up, [T, I].
+// [T, 2I] (gate | up) -> silu(gate) * up, [T, I]. bfloat16: silu(gate) rounded, then the product, as
+// `F.silu(gate) * up` rounds.
 torch::Tensor silu_mul(torch::Tensor x) {
-  check_f32_rows(x, "x");
+  check_rows(x, "x");
   const int64_t T = x.size(0), I = x.size(1) / 2;
   TORCH_CHECK(x.size(1) % 2 == 0, "x must have an even number of columns");
   auto out = torch::empty({T, I}, x.options());
+  const int64_t xs = x.stride(0);
+  if (x.scalar_type() == torch::kBFloat16) {
+    const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+    at::BFloat16* op = out.data_ptr<at::BFloat16>();
+    ws::pool::parallel_for(0, T, kRowGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const at::BFloat16* g = xp + t * xs;
+        const at::BFloat16* u = g + I;
+        at::BFloat16* o = op + t * I;
+        for (int64_t i = 0; i < I; ++i) {
+          const float gv = f32(g[i]);
+          o[i] = as<at::BFloat16>(rounded<at::BFloat16>(gv / (1.f + std::exp(-gv))) * f32(u[i]));
+        }
+      }
+    });
+    return out;
+  }
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t xs = x.stride(0);
   ws::pool::parallel_for(0, T, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* g = xp + t * xs;
