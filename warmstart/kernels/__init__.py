@@ -21,7 +21,8 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 __all__ = ["paged_attention", "paged_attention_torch", "has_native", "NATIVE_UNAVAILABLE_REASON", "qlinear",
-           "has_qlinear", "QLINEAR_UNAVAILABLE_REASON", "dense_linear", "DENSE_GEMV_MAX_ROWS", "qlinear_isa", "set_qlinear_isa", "panel_threshold",
+           "has_qlinear", "QLINEAR_UNAVAILABLE_REASON", "dense_linear", "DENSE_GEMV_MAX_ROWS", "qlinear_isa",
+           "set_qlinear_isa", "panel_threshold",
            "add_rms_norm", "rotary_", "write_kv", "silu_mul", "argmax",
            "has_fused", "FUSED_UNAVAILABLE_REASON", "native_stack", "STACK_UNAVAILABLE_REASON"]
 
@@ -220,8 +221,9 @@ def qlinear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: 
 
 
 # Float linears at a few rows (csrc/dense_linear.h): a decode step's float32 or bfloat16 matmuls stream their weight,
-# and torch's CPU GEMM did so at about a third of the memory bandwidth (2-4x slower at 1-4 rows, 1.4-1.9x at 8:
-# SmolLM2's shapes, 30 layers and the LM head cold from memory, 2 threads, AVX-512 EPYC; issue 8's notes).
+# and torch's CPU GEMM did so at about a third of the memory bandwidth: float32 2.5-2.9x slower at 1-4 rows and
+# 1.2-1.6x at 8, bfloat16 1.3-1.7x and 1.1x (SmolLM2's shapes, 30 layers and the LM head cold from memory, 2 threads,
+# AVX-512 EPYC: benchmarks/dense_linear.py).
 DENSE_GEMV_MAX_ROWS = _qlinear.dense_max_rows if _qlinear is not None else 0
 
 

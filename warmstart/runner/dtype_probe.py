@@ -7,8 +7,9 @@ Rules, cheapest first:
   several runs, on the kernel a decode step runs (kernels.dense_linear: warmstart's GEMV where it is built, else
   torch's); bfloat16 wins only if it is at least 25 % faster at batch 1, the decode case (it costs precision, so
   the win must be clear: SmolLM2's shapes measured 1.7x, a tiny test model's dispatch-bound ones 1.04-1.09x). On the 2-core AVX-512
-  EPYC the GEMV gave the default model's float weights 69 tok/s in float32 and 86 in bfloat16 at batch 1 (torch's
-  GEMM: 28 and 28), and 238-261 vs 547-608 at batch 32 (benchmarks/decode.py workers). The research host
+  EPYC the GEMV gave the default model's float weights 65-73 tok/s in float32 and 144-169 in bfloat16 at batch 1
+  (torch's GEMM and bfloat16 on the Python loop: 28 and 28), and 248-262 vs 595-624 at batch 32
+  (benchmarks/decode.py workers). The research host
   (AVX512-BF16, no AMX) measured warmstart bf16/fp32 = 1.77x at batch 1 (shared/research/peers.md, finding 5). AMX
   used to mean bfloat16 without a measurement; on the 2-core AMX Xeon that was wrong: batch-1 linears fp32 163 us
   vs bf16 219-264 us (oneDNN's AMX tiles pay off at many rows, not at one), and the served default decoded at

@@ -3,8 +3,9 @@
 // the cache) cost as much again in dispatch alone. Each function below is one call doing one of those jobs in a
 // single pass over its rows. All math is fp32, in the same order as the torch reference in warmstart/kernels, so
 // results match it to rounding. add_rms_norm, rotary_, write_kv and silu_mul also take bfloat16 rows (a bfloat16
-// model's decode step): math in fp32, rounded to bfloat16 where the torch reference rounds, each op's result. Rows are split across threads only when there are enough of them to pay for the
-// wake-up (a decode step's handful of rows runs on the calling thread).
+// model's decode step): math in fp32, rounded to bfloat16 where the torch reference rounds, each op's result. Rows
+// are split across threads only when there are enough of them to pay for the wake-up (a decode step's handful of
+// rows runs on the calling thread).
 #pragma once
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
