@@ -32,7 +32,8 @@ def main() -> int:
     results = []
     print(f"{'dtype':9} {'rows':>4} {'torch ms':>9} {'ws ms':>7} {'torch GB/s':>10} {'ws GB/s':>8} {'ratio':>6}")
     for dtype in (torch.float32, torch.bfloat16):
-        weights = [torch.randn(n, k).to(dtype) for _ in range(30) for k, n in LAYER] + [torch.randn(49152, 576).to(dtype)]
+        weights = [torch.randn(n, k).to(dtype) for _ in range(30) for k, n in LAYER]
+        weights.append(torch.randn(49152, 576).to(dtype))                  # the tied LM head
         nbytes = sum(w.numel() * w.element_size() for w in weights)
         for rows in (1, 2, 4, 8):
             xs = {k: torch.randn(rows, k).to(dtype) for k in (576, 1536)}

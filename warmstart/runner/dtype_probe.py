@@ -3,20 +3,20 @@
 Rules, cheapest first:
 - No avx512_bf16: float32, no measurement (bf16 matmuls are converted to fp32 and run 2-8x slower: measured on
   this project's AVX2 hosts, benchmarks/decode.py).
-- avx512_bf16, with or without AMX: measure. The model's own linear shapes at batch 1, float32 vs bfloat16, best of
-  several runs, on the kernel a decode step runs (kernels.dense_linear: warmstart's GEMV where it is built, else
-  torch's); bfloat16 wins only if it is at least 25 % faster at batch 1, the decode case (it costs precision, so
-  the win must be clear: SmolLM2's shapes measured 1.7x, a tiny test model's dispatch-bound ones 1.04-1.09x). On the 2-core AVX-512
-  EPYC the GEMV gave the default model's float weights 65-73 tok/s in float32 and 144-169 in bfloat16 at batch 1
-  (torch's GEMM and bfloat16 on the Python loop: 28 and 28), and 248-262 vs 595-624 at batch 32
-  (benchmarks/decode.py workers). The research host
+- avx512_bf16, with or without AMX: measure. The model's own linear shapes at batch 1, float32 vs bfloat16, on the
+  kernel a decode step runs (kernels.dense_linear: warmstart's GEMV where it is built, else torch's), the median
+  of 60 alternated passes (_measure); bfloat16 wins only if it is at least 25 % faster at batch 1, the decode case.
+  It costs precision, so the win must be clear: SmolLM2's shapes measured 1.69-1.75x, a tiny test model's
+  dispatch-bound ones 1.04-1.09x. On the 2-core AVX-512 EPYC the GEMV gave the default model's float weights
+  65-73 tok/s in float32 and 144-169 in bfloat16 at batch 1 (torch's GEMM, and bfloat16 on the Python loop: 28
+  and 28), and 248-262 vs 595-624 at batch 32 (benchmarks/decode.py workers). The research host
   (AVX512-BF16, no AMX) measured warmstart bf16/fp32 = 1.77x at batch 1 (shared/research/peers.md, finding 5). AMX
   used to mean bfloat16 without a measurement; on the 2-core AMX Xeon that was wrong: batch-1 linears fp32 163 us
   vs bf16 219-264 us (oneDNN's AMX tiles pay off at many rows, not at one), and the served default decoded at
   54-59 tok/s instead of 111-121.
 (Quantized linears on warmstart's integer kernels take float32 regardless: dtypes.resolve_dtype.)
-The decision is cached per (CPU model, ISA flags, torch version, probe kernel) under <cache>/probes/, so a restart never
-measures again and two boots of one machine always agree (the plan key records the requested dtype)."""
+The decision is cached per (CPU model, ISA flags, torch version, probe kernel) under <cache>/probes/, so a restart
+never measures again and two boots of one machine always agree (the plan key records the requested dtype)."""
 from __future__ import annotations
 
 import hashlib
@@ -92,11 +92,11 @@ def _measure(shapes: list[tuple[int, int]], repeats: int = 60) -> DtypeChoice:
                 times[dt].append(t)
     ratio = statistics.median(a / b for a, b in zip(times[torch.float32], times[torch.bfloat16]))
     fp32, bf16 = (statistics.median(times[dt]) * 1e6 for dt in (torch.float32, torch.bfloat16))
-    ratio = round(ratio, 3)
+    ratio = round(ratio, 3)                # the verdict is made on the recorded value
     dtype = "bfloat16" if ratio >= MARGIN else "float32"
     log.info("dtype auto: measured batch-1 linears fp32 %.0f us vs bf16 %.0f us (median ratio %.2f) -> %s", fp32,
              bf16, ratio, dtype)
-    return DtypeChoice(dtype, "measured", round(fp32, 1), round(bf16, 1), round(ratio, 3))
+    return DtypeChoice(dtype, "measured", round(fp32, 1), round(bf16, 1), ratio)
 
 
 def _save(path: Path, choice: DtypeChoice) -> None:

@@ -160,12 +160,17 @@ inline void write_rows_i8(const torch::Tensor& src, torch::Tensor& cache, const 
   const S* sp = src.data_ptr<S>();
   const int64_t ss = src.stride(0), row = D + int64_t(sizeof(float));
   int8_t* cp = cache.data_ptr<int8_t>();
-  std::vector<float> xf(D);
+  std::vector<float> xf(std::is_same_v<S, float> ? 0 : D);  // a bfloat16 row widened
   for (int64_t t = 0; t < T; ++t)
     for (int64_t h = 0; h < Hkv; ++h) {
       const S* xs = sp + t * ss + h * D;
-      for (int64_t i = 0; i < D; ++i) xf[i] = f32(xs[i]);
-      const float* x = xf.data();
+      const float* x;
+      if constexpr (std::is_same_v<S, float>) {
+        x = xs;
+      } else {
+        for (int64_t i = 0; i < D; ++i) xf[i] = f32(xs[i]);
+        x = xf.data();
+      }
       int8_t* dst = cp + (slots[t] * Hkv + h) * row;
       float amax = 0.f;
       for (int64_t i = 0; i < D; ++i) amax = std::max(amax, std::fabs(x[i]));
@@ -176,8 +181,8 @@ inline void write_rows_i8(const torch::Tensor& src, torch::Tensor& cache, const 
     }
 }
 
-// k_cache[slots[t]] = k[t], v_cache[slots[t]] = v[t]; k, v [T, Hkv, D] float32 (rows of any stride, heads
-// contiguous), caches [slots, Hkv, D] contiguous in float32, bfloat16 or float16 (round to nearest even), or int8
+// k_cache[slots[t]] = k[t], v_cache[slots[t]] = v[t]; k, v [T, Hkv, D] float32 or bfloat16 (rows of any stride,
+// heads contiguous), caches [slots, Hkv, D] contiguous in float32, bfloat16 or float16 (round to nearest even), or int8
 // [slots, Hkv, D + 4] (write_rows_i8).
 template <typename S>
 void write_kv_rows(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache, torch::Tensor& v_cache,
