@@ -155,6 +155,66 @@ def test_dense_path_equals_the_dequantized_weight_across_tiles(kind):
     assert (y_int8_act - want).abs().max() > (y - want).abs().max()     # the dense path really ran: it is exact
 
 
+def _int8_activation_reference(x: torch.Tensor, ready: dict) -> torch.Tensor:
+    """What the int8-activation route computes, in float64 from its integer parts: x quantized per row and block of
+    32 (scale max|x| / 127 in float32, codes x * (1 / scale) rounded half to even), each block's integer dot product
+    with the weight codes, times the weight block's scale and the activation's; plus, for int4, the block's min times
+    its code sum times the activation scale."""
+    n, nb = ready["scales"].shape
+    xb = x.view(x.shape[0], nb, 32)
+    d = xb.abs().amax(-1) / 127.0                                           # float32, as the kernel
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    codes = torch.round(xb * inv[..., None]).to(torch.int64)              # [M, nb, 32]
+    if "mins" in ready:
+        packed = ready["qweight"].to(torch.int64)                          # element 2i in the low nibble of byte i
+        q = torch.stack([packed & 0x0F, packed >> 4], -1).view(n, nb, 32)
+    else:
+        q = ready["qweight"].to(torch.int64).view(n, nb, 32)
+    isum = torch.einsum("mbk,nbk->mnb", codes, q).double()                 # exact integer sums
+    y = (isum * ready["scales"].double()[None] * d.double()[:, None, :]).sum(-1)
+    if "mins" in ready:
+        y += (ready["mins"].double()[None] * (codes.sum(-1).double() * d.double())[:, None, :]).sum(-1)
+    return y
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("n,k", [(1, 32), (7, 96), (33, 576), (9, 1536), (5, 4128)])
+def test_int8_activation_route_is_its_integer_math(kind, n, k):
+    """Below PANEL_MIN_ROWS the kernel rounds the activations to int8 codes and sums integer products per block:
+    its output equals that math (in float64) to float32 accumulation error. A code off by one in any block, or a
+    layout that pairs the wrong codes with the wrong nibbles, misses by orders of magnitude more. Odd block counts
+    (96, 32: the AVX2 route's half-empty last pair) and K = 4128 (129 blocks: past its 128-block factor chunk)."""
+    from warmstart import kernels
+    args, _ = _compiled_case(kind, n, k, 7)
+    x, qweight, scales, mins = args
+    ready = {"qweight": qweight, "scales": scales, **({"mins": mins} if mins is not None else {})}
+    for rows in range(1, 8):
+        y = kernels.qlinear(x[:rows].contiguous(), qweight, scales, mins).double()
+        want = _int8_activation_reference(x[:rows], ready)
+        assert (y - want).abs().max() <= 1e-5 * want.abs().max(), (rows, (y - want).abs().max())
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("n,k", [(13, 96), (9, 576), (6, 4128)])
+def test_int8_activation_route_gives_a_row_the_same_bits_in_any_batch(kind, n, k):
+    """Decode batches of 1-7 rows run one weight row against 4, 3, 2 or 1 activation rows at a time (and one row
+    against pairs of weight rows): each activation row's result is the same float operations in the same order
+    whichever tile it lands in, and whatever the thread count, so a sequence's logits do not depend on its batch."""
+    from warmstart import kernels
+    args, _ = _compiled_case(kind, n, k, 7)
+    x, rest = args[0], args[1:]
+    full = kernels.qlinear(x, *rest)
+    for rows in range(1, 8):
+        for first in range(0, 8 - rows):
+            assert torch.equal(kernels.qlinear(x[first:first + rows].contiguous(), *rest), full[first:first + rows])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(kernels.qlinear(x, *rest), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def isa():
     """Sets the kernels' ISA level for a test (at most the CPU's: set returns the level in force) and restores it."""

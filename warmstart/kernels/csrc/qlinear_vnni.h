@@ -4,8 +4,8 @@
 // The extension is built for x86-64-v3 (AVX2), so this code is compiled
 // for AVX-512 by a target pragma and runs only where the CPU has it, chosen at run time (isa.h).
 //
-// Why: on AVX2 a block of 32 int4 weights costs ~12 instructions (unpack, vpmaddubsw, vpmaddwd, convert, scale,
-// FMA), so at one row the kernel is compute-bound well below the memory bandwidth. vpdpbusd multiplies 64 unsigned
+// Why: on AVX2 a block of 32 int4 weights costs ~5 instructions (half of a pair's unpack, vpmaddubsw, add,
+// vpmaddwd, convert, FMA: qlinear.h), so at one row the kernel is compute-bound below the memory bandwidth. vpdpbusd multiplies 64 unsigned
 // bytes by 64 signed ones and sums each group of 4 into an int32 lane in one instruction; with the unpack and the
 // per-block scale a pair of blocks (64 weights) costs ~8.
 //
