@@ -13,12 +13,15 @@ mask: attention.py `_attend`). It shows up to which chunk length the kernel shou
 A first table, decode scaling: the kernel alone at batch 8, context 128 vs 2,048, fp32/fp16/bf16/int8 caches,
 microseconds per layer call and the implied rate of K/V read (GB/s: the bytes of every sequence's K and V rows over
 the time). Each sample cycles over enough distinct caches (one per "layer") that the reads come from memory, not
-from the last call's cache lines, as in a real decode step. `--baseline GITREF` also builds the kernel source at
+from the last call's cache lines, as in a real decode step. Caches are laid out as the runner's (head-major memory,
+kernels.kv_blocks); `--layouts head position` also times the same kernel on position-major copies (heads interleaved
+per position, the layout before head-major). `--baseline GITREF` also builds the kernel source at
 that git revision (under another module name) and times it interleaved in the same process: old vs new on the same
 noisy host.
 
     PYTHONPATH=. .venv/bin/python benchmarks/paged_attention.py [--samples 7] [--threads 1 2] [--out benchmarks/results/paged_attention.json]
     PYTHONPATH=. .venv/bin/python benchmarks/paged_attention.py --scaling-only --threads 1 --baseline main
+    PYTHONPATH=. .venv/bin/python benchmarks/paged_attention.py --scaling-only --layouts head position
 """
 from __future__ import annotations
 
@@ -42,7 +45,13 @@ from warmstart.runner.attention import _attend  # noqa: E402
 H, HKV, D, BS = 9, 3, 64, 16
 
 
-def setup(B: int, ctx: int, dtype: torch.dtype, seed: int = 0):
+def head_major(cache: torch.Tensor) -> torch.Tensor:
+    """A [blocks, bs, Hkv, row] cache's values in the runner's layout (kernels.kv_blocks: head-major memory)."""
+    out = kernels.kv_blocks(torch.empty(cache.numel(), dtype=cache.dtype), (), *cache.shape)
+    return out.copy_(cache)
+
+
+def setup(B: int, ctx: int, dtype: torch.dtype, seed: int = 0, layout: str = "head"):
     g = torch.Generator().manual_seed(seed)
     per_seq = -(-ctx // BS)
     nb = B * per_seq + 1
@@ -52,6 +61,8 @@ def setup(B: int, ctx: int, dtype: torch.dtype, seed: int = 0):
         kc, vc = kernels.quantize_kv_rows(kc), kernels.quantize_kv_rows(vc)
     else:
         kc, vc = kc.to(dtype), vc.to(dtype)
+    if layout == "head":
+        kc, vc = head_major(kc), head_major(vc)
     ids = torch.randperm(nb, generator=g)[:B * per_seq].to(torch.int32)
     bt = ids.view(B, per_seq).contiguous()
     q = torch.randn(B, H, D, generator=g).to(torch.float32 if dtype is torch.int8 else dtype)
@@ -66,11 +77,10 @@ def setup(B: int, ctx: int, dtype: torch.dtype, seed: int = 0):
 
 def current(q, kc, vc, slots, mask):
     """warmstart.runner.attention.PagedAttentionBackend._decode"""
-    kcf, vcf = kc.view(-1, HKV, D), vc.view(-1, HKV, D)
     b, length = slots.shape
     flat = slots.reshape(-1)
-    kk = kcf.index_select(0, flat).view(b, length, HKV, D).transpose(1, 2).to(q.dtype)
-    vv = vcf.index_select(0, flat).view(b, length, HKV, D).transpose(1, 2).to(q.dtype)
+    kk = kernels.kv_slot_rows(kc, flat).view(b, length, HKV, D).transpose(1, 2).to(q.dtype)
+    vv = kernels.kv_slot_rows(vc, flat).view(b, length, HKV, D).transpose(1, 2).to(q.dtype)
     out = F.scaled_dot_product_attention(q[:, :, None, :], kk, vv, attn_mask=mask, enable_gqa=True)
     return out[:, :, 0, :]
 
@@ -97,13 +107,16 @@ def decode_scaling(args, baseline) -> list[dict]:
     """Batch-8 decode, the kernel alone: ctx 128 vs 2,048 per cache dtype, us per layer call and GB/s of K/V read."""
     B = 8
     scale = D ** -0.5
-    impls = {"kernel": lambda *a: kernels.paged_attention(*a, scale)}
+    fns = {"kernel": lambda *a: kernels.paged_attention(*a, scale)}
     if baseline is not None:
-        impls["baseline"] = lambda *a: baseline.paged_attention(*a, scale)
+        fns["baseline"] = lambda *a: baseline.paged_attention(*a, scale)
+    # (name, function, layout): the first layout under the plain name, the others as name@layout
+    impls = [(k if layout == args.layouts[0] else f"{k}@{layout}", f, layout) for layout in args.layouts
+             for k, f in fns.items()]
     rows = []
     print(f"decode scaling, batch {B}: us per layer call, GB/s of K/V read; caches cycled over {args.layer_bytes >> 20}"
           f" MiB of layers")
-    hdr = "".join(f" {name + ' us':>12} {'GB/s':>6}" for name in impls)
+    hdr = "".join(f" {name + ' us':>12} {'GB/s':>6}" for name, _, _ in impls)
     print(f"{'threads':>7} {'cache':>8} {'ctx':>5}{hdr}" + ("  speedup" if baseline is not None else ""))
     for threads in args.threads:
         torch.set_num_threads(threads)
@@ -112,10 +125,12 @@ def decode_scaling(args, baseline) -> list[dict]:
                 one = setup(B, ctx, dtype)
                 kv_bytes = 2 * B * ctx * HKV * one[1].shape[-1] * one[1].element_size()   # K and V rows read
                 n_layers = max(2, min(30, args.layer_bytes // (2 * one[1].numel() * one[1].element_size())))
-                layers = [one] + [setup(B, ctx, dtype, seed=s) for s in range(1, n_layers)]
+                layers = {lay: [setup(B, ctx, dtype, seed=s, layout=lay) for s in range(n_layers)]
+                          for lay in args.layouts}
                 q = one[0].float()
-                calls = {k: (lambda f=f: [f(q, kc, vc, bt, si, cl) for _, kc, vc, bt, si, cl, _, _ in layers])
-                         for k, f in impls.items()}
+                calls = {k: (lambda f=f, lay=lay: [f(q, kc, vc, bt, si, cl)
+                                                   for _, kc, vc, bt, si, cl, _, _ in layers[lay]])
+                         for k, f, lay in impls}
                 for f in calls.values():
                     f()                                                          # warm-up
                 best = {k: float("inf") for k in calls}
@@ -123,7 +138,7 @@ def decode_scaling(args, baseline) -> list[dict]:
                     for k, f in calls.items():
                         t0 = time.perf_counter()
                         f()
-                        best[k] = min(best[k], (time.perf_counter() - t0) / len(layers))
+                        best[k] = min(best[k], (time.perf_counter() - t0) / n_layers)
                 row = dict(threads=threads, cache_dtype=str(dtype).removeprefix("torch."), batch=B, ctx=ctx,
                            kv_bytes=kv_bytes)
                 line = f"{threads:>7} {row['cache_dtype']:>8} {ctx:>5}"
@@ -134,6 +149,9 @@ def decode_scaling(args, baseline) -> list[dict]:
                 if baseline is not None:
                     row["speedup"] = round(best["baseline"] / best["kernel"], 2)
                     line += f"  {row['speedup']:>6.2f}x"
+                for lay in args.layouts[1:]:
+                    row[f"kernel_vs_{lay}"] = round(best[f"kernel@{lay}"] / best["kernel"], 2)
+                    line += f"  {row[f'kernel_vs_{lay}']:>5.2f}x vs {lay}"
                 rows.append(row)
                 print(line, flush=True)
     for threads in args.threads:
@@ -166,6 +184,9 @@ def main() -> None:
                     help="decode scaling: distinct caches cycled per sample, in bytes (more than the L3)")
     ap.add_argument("--baseline", metavar="GITREF", help="also time the kernel source at this git revision")
     ap.add_argument("--scaling-only", action="store_true", help="only the decode-scaling table")
+    ap.add_argument("--layouts", nargs="+", choices=("head", "position"), default=["head"],
+                    help="decode scaling: cache layouts to time the kernel on (head: the runner's; position: heads "
+                         "interleaved per position)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "paged_attention.json"))
     args = ap.parse_args()
     if not kernels.has_native():
@@ -216,8 +237,8 @@ def main() -> None:
                 cl = torch.arange(prefix + 1, prefix + n + 1, dtype=torch.int32)
                 pos = torch.arange(prefix + n)
                 slots = bt[0].long()[pos // BS] * BS + pos % BS
-                kf, vf = kc.view(-1, HKV, D), vc.view(-1, HKV, D)
-                cur = lambda: _attend(q, kf[slots].to(q.dtype), vf[slots].to(q.dtype), n)  # noqa: E731
+                kf, vf = kernels.kv_slot_rows(kc, slots), kernels.kv_slot_rows(vc, slots)
+                cur = lambda: _attend(q, kf.to(q.dtype), vf.to(q.dtype), n)  # noqa: E731
                 ker = lambda: kernels.paged_attention(q, kc, vc, bt, si, cl, scale)  # noqa: E731
                 diff = (cur().float() - ker().float()).abs().max().item()
                 t_one = max(sample(cur, 1), sample(ker, 1), 1e-6)

@@ -57,42 +57,70 @@ def test_rotary_in_place_on_split_views(rows):
     assert torch.equal(v, v_before)             # v shares the buffer and is untouched
 
 
+def _caches(blocks, bs, hkv, width, dtype, head_major):
+    """A zeroed [blocks, bs, hkv, width] cache pair, position-major or laid out as the runner's (kernels.kv_blocks)."""
+    if not head_major:
+        return tuple(torch.zeros(blocks, bs, hkv, width, dtype=dtype) for _ in range(2))
+    return tuple(kernels.kv_blocks(torch.zeros(blocks * bs * hkv * width, dtype=dtype), (), blocks, bs, hkv, width)
+                 for _ in range(2))
+
+
+def _written(cache, slots, rows):
+    """What write_kv must leave: the cache with `rows` at `slots` (flat slot order), built without write_kv."""
+    want = cache.contiguous().clone()
+    want.view(-1, *cache.shape[2:]).index_copy_(0, slots, rows)
+    return want
+
+
+@pytest.mark.parametrize("head_major", (False, True), ids=("position-major", "head-major"))
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", (1, 7))
-def test_write_kv(cache_dtype, rows):
-    hkv, d, slots_total = 3, 64, 50
+def test_write_kv(cache_dtype, rows, head_major):
+    hkv, d, blocks, bs = 3, 64, 10, 5
     kv = torch.randn(rows, 2 * hkv * d)
     k, v = (t.view(rows, hkv, d) for t in kv.split((hkv * d, hkv * d), dim=-1))
-    slots = torch.randperm(slots_total)[:rows]
-    kc, vc = torch.zeros(slots_total, hkv, d, dtype=cache_dtype), torch.zeros(slots_total, hkv, d, dtype=cache_dtype)
-    kc_want, vc_want = kc.clone(), vc.clone()
-    kc_want.index_copy_(0, slots, k.to(cache_dtype))
-    vc_want.index_copy_(0, slots, v.to(cache_dtype))
+    slots = torch.randperm(blocks * bs)[:rows]
+    kc, vc = _caches(blocks, bs, hkv, d, cache_dtype, head_major)
+    kc_want, vc_want = _written(kc, slots, k.to(cache_dtype)), _written(vc, slots, v.to(cache_dtype))
     kernels.write_kv(k, v, kc, vc, slots)
     assert torch.equal(kc, kc_want) and torch.equal(vc, vc_want)   # same rounding (to nearest even) as .to()
 
 
+@pytest.mark.parametrize("head_major", (False, True), ids=("position-major", "head-major"))
 @pytest.mark.parametrize("rows", (1, 7))
-def test_write_kv_int8_rows_are_the_torch_paths_bytes(rows):
+def test_write_kv_int8_rows_are_the_torch_paths_bytes(rows, head_major):
     """The compiled int8 write (csrc/fused.h write_rows_i8) and kernels.quantize_kv_rows write the same bytes:
     codes and float32 scale, rows of widely different magnitudes and an all-zero row included."""
-    hkv, d, slots_total = 3, 64, 50
+    hkv, d, blocks, bs = 3, 64, 10, 5
     kv = torch.randn(rows, 2 * hkv * d) * torch.logspace(-2, 2, rows)[:, None]
     kv[0, :d] = 0
     k, v = (t.view(rows, hkv, d) for t in kv.split((hkv * d, hkv * d), dim=-1))
-    slots = torch.randperm(slots_total)[:rows]
-    kc = torch.zeros(slots_total, hkv, d + kernels.KV_SCALE_BYTES, dtype=torch.int8)
-    vc = kc.clone()
-    kc_want, vc_want = kc.clone(), vc.clone()
-    kc_want.index_copy_(0, slots, kernels.quantize_kv_rows(k))
-    vc_want.index_copy_(0, slots, kernels.quantize_kv_rows(v))
+    slots = torch.randperm(blocks * bs)[:rows]
+    kc, vc = _caches(blocks, bs, hkv, d + kernels.KV_SCALE_BYTES, torch.int8, head_major)
+    kc_want = _written(kc, slots, kernels.quantize_kv_rows(k))
+    vc_want = _written(vc, slots, kernels.quantize_kv_rows(v))
+    kernels.write_kv(k, v, kc, vc, slots)
+    assert torch.equal(kc, kc_want) and torch.equal(vc, vc_want)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.int8])
+def test_write_kv_torch_path_writes_a_head_major_cache_in_place(cache_dtype, monkeypatch):
+    """The fallback (no compiled kernels, or a GPU) writes through the strided view into the cache's storage."""
+    monkeypatch.setattr(kernels, "_use_fused", lambda *t: False)
+    hkv, d, blocks, bs = 3, 64, 10, 5
+    width = d + kernels.KV_SCALE_BYTES if cache_dtype is torch.int8 else d
+    k, v = torch.randn(4, hkv, d), torch.randn(4, hkv, d)
+    slots = torch.tensor([0, 7, 12, 49])
+    kc, vc = _caches(blocks, bs, hkv, width, cache_dtype, True)
+    conv = kernels.quantize_kv_rows if cache_dtype is torch.int8 else (lambda t: t.to(cache_dtype))
+    kc_want, vc_want = _written(kc, slots, conv(k)), _written(vc, slots, conv(v))
     kernels.write_kv(k, v, kc, vc, slots)
     assert torch.equal(kc, kc_want) and torch.equal(vc, vc_want)
 
 
 def test_write_kv_rejects_a_slot_outside_the_cache():
     k = torch.randn(1, 3, 64)
-    kc, vc = torch.zeros(4, 3, 64), torch.zeros(4, 3, 64)
+    kc, vc = torch.zeros(2, 2, 3, 64), torch.zeros(2, 2, 3, 64)
     with pytest.raises(RuntimeError, match="slot out of range"):
         kernels.write_kv(k, k.clone(), kc, vc, torch.tensor([4]))
 
@@ -170,12 +198,9 @@ def test_write_kv_from_bfloat16(cache_dtype):
     k, v = (torch.randn(rows, hkv, d, dtype=torch.bfloat16) for _ in range(2))
     slots = torch.randperm(slots_total)[:rows]
     width = d + kernels.KV_SCALE_BYTES if cache_dtype is torch.int8 else d
-    kc = torch.zeros(slots_total, hkv, width, dtype=cache_dtype)
-    vc = kc.clone()
-    kc_want, vc_want = kc.clone(), vc.clone()
+    kc, vc = _caches(slots_total // 5, 5, hkv, width, cache_dtype, True)
     conv = kernels.quantize_kv_rows if cache_dtype is torch.int8 else (lambda t: t.to(cache_dtype))
-    kc_want.index_copy_(0, slots, conv(k))
-    vc_want.index_copy_(0, slots, conv(v))
+    kc_want, vc_want = _written(kc, slots, conv(k)), _written(vc, slots, conv(v))
     kernels._fused.write_kv(k, v, kc, vc, slots)      # the compiled path itself
     assert torch.equal(kc, kc_want) and torch.equal(vc, vc_want)
 

@@ -158,6 +158,27 @@ def test_native_same_result_with_any_thread_count():
     assert torch.equal(one, two)          # each (query, kv head) is one task: no cross-thread reduction
 
 
+def head_major(cache: torch.Tensor) -> torch.Tensor:
+    """The same cache values as the runner lays them out: kernels.kv_blocks over head-major storage."""
+    nb, bs, hkv, row = cache.shape
+    out = kernels.kv_blocks(torch.empty(cache.numel(), dtype=cache.dtype), (), nb, bs, hkv, row)
+    out.copy_(cache)
+    return out
+
+
+@pytest.mark.parametrize("impl", IMPLS.values(), ids=IMPLS.keys())
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8])
+def test_head_major_cache_gives_the_same_bits(impl, cache_dtype):
+    """The runner's cache is head-major in memory (kernels.kv_blocks); the kernel reads it through its strides and
+    must give the position-major result bit for bit (the same values summed in the same order), split chunks and
+    one- and all-heads-per-task groupings included (a decode batch of one, and of many)."""
+    for seqs in ([(1300, 1)], [(40, 1)] * 9 + [(600, 3)]):
+        q, kc, vc, bt, si, cl = make_case(seqs, H=9, Hkv=3, D=64, bs=16, cache_dtype=cache_dtype, seed=5)
+        hk, hv = head_major(kc), head_major(vc)
+        assert hk.stride(2) == 16 * hk.shape[-1] and not hk.is_contiguous()
+        assert torch.equal(impl(q, hk, hv, bt, si, cl, 0.125), impl(q, kc, vc, bt, si, cl, 0.125))
+
+
 @native
 def test_native_rejects_bad_tables():
     q, kc, vc, bt, si, cl = make_case([(20, 1)], H=4, Hkv=2, D=24, bs=16, seed=1)

@@ -1,10 +1,11 @@
 """Attention over the paged KV cache (CPU, and CUDA through the same code).
 
 Cache layout: kv[2, layers, blocks, block_size, kv_heads, head_dim] (head_dim + 4 int8 elements per row for an
-int8 cache: the codes, then the row's float32 scale; kernels.kv_rows_as reads them back). A token at position p of
-a sequence lives in slot block_table[p // block_size] * block_size + p % block_size. Each call writes the new
-tokens' K/V into their slots, then attends each query over its sequence's context (cached prefix + new tokens)
-with a causal offset.
+int8 cache: the codes, then the row's float32 scale; kernels.kv_rows_as reads them back), a strided view of
+head-major memory (kernels.kv_blocks). A token at position p of a sequence lives in slot
+block_table[p // block_size] * block_size + p % block_size, at kv[:, layer, slot // block_size, slot % block_size].
+Each call writes the new tokens' K/V into their slots, then attends each query over its sequence's context (cached
+prefix + new tokens) with a causal offset.
 
 Each sequence of a step takes one route, chosen once per step by the runner (not per layer):
 - fresh: a prompt chunk with nothing cached before it attends over its own new K/V with causal SDPA (as the cache
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from warmstart.kernels import kv_rows_as, paged_attention, write_kv
+from warmstart.kernels import kv_rows_as, kv_slot_rows, paged_attention, write_kv
 
 PAGED_MAX_Q = 16
 
@@ -72,13 +73,11 @@ class PagedAttentionBackend:
         return self.kv, meta.slot_mapping, p.block_tables, p.seq_idx, p.ctx_lens
 
     def _layer_views(self, layer: int) -> tuple[torch.Tensor, ...]:
-        """(k, v) of one layer as [slots, Hkv, D] and as [blocks, block_size, Hkv, D]; made once per backend (the
-        runner keeps one backend per cache), not 4 times per layer per step."""
+        """(k, v) of one layer as [blocks, block_size, Hkv, D]; made once per backend (the runner keeps one backend
+        per cache), not twice per layer per step."""
         views = self._views[layer]
         if views is None:
-            k, v = self.kv[0, layer], self.kv[1, layer]
-            hkv, d = self.kv.shape[-2:]
-            views = self._views[layer] = (k.view(-1, hkv, d), v.view(-1, hkv, d), k, v)
+            views = self._views[layer] = (self.kv[0, layer], self.kv[1, layer])
         return views
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -86,14 +85,14 @@ class PagedAttentionBackend:
         if self.kv is None:
             return torch.cat([_attend(q[s.q_start:s.q_start + s.q_len], k[s.q_start:s.q_start + s.q_len],
                                       v[s.q_start:s.q_start + s.q_len], s.q_len) for s in meta.seqs])
-        kc, vc, _, _ = self._layer_views(layer)                     # [slots, Hkv, D]
+        kc, vc = self._layer_views(layer)                           # [blocks, block_size, Hkv, D]
         write_kv(k, v, kc, vc, meta.slot_mapping)
         if kc.dtype != k.dtype and any(s.route == "fresh" for s in meta.seqs):
             # A fresh prompt attends over the K/V values the cache now holds (float16- or int8-rounded), as every
             # later read of them does: a prompt's logits do not depend on whether its prefix came from the prefix
             # cache, an earlier chunk or this one.
-            k = kv_rows_as(kc.index_select(0, meta.slot_mapping), k.dtype)
-            v = kv_rows_as(vc.index_select(0, meta.slot_mapping), v.dtype)
+            k = kv_rows_as(kv_slot_rows(kc, meta.slot_mapping), k.dtype)
+            v = kv_rows_as(kv_slot_rows(vc, meta.slot_mapping), v.dtype)
         p = meta.paged
         if p is not None and p.rows is None:                        # the whole step is paged (e.g. all decode)
             return self._paged(layer, q, p)
@@ -105,12 +104,12 @@ class PagedAttentionBackend:
             if s.route == "fresh":
                 out[rows] = _attend(q[rows], k[rows], v[rows], s.q_len)
             elif s.route == "gather":
-                out[rows] = _attend(q[rows], kv_rows_as(kc[s.slots], q.dtype), kv_rows_as(vc[s.slots], q.dtype),
-                                    s.q_len)
+                out[rows] = _attend(q[rows], kv_rows_as(kv_slot_rows(kc, s.slots), q.dtype),
+                                    kv_rows_as(kv_slot_rows(vc, s.slots), q.dtype), s.q_len)
         return out
 
     def _paged(self, layer: int, q: torch.Tensor, p: PagedRows) -> torch.Tensor:
-        _, _, kb, vb = self._layer_views(layer)
+        kb, vb = self._layer_views(layer)
         return paged_attention(q, kb, vb, p.block_tables, p.seq_idx, p.ctx_lens, q.shape[-1] ** -0.5)
 
 

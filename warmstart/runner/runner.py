@@ -1,12 +1,13 @@
 """ModelRunner: owns the bound model and the KV tensor, turns a Batch into one forward pass and sampled tokens."""
 from __future__ import annotations
 
+import math
 import mmap
 
 import torch
 from torch import nn
 
-from warmstart.kernels import kv_row_width
+from warmstart.kernels import kv_blocks, kv_row_width
 from warmstart.runner.attention import PAGED_MAX_Q, AttentionMeta, PagedAttentionBackend, PagedRows, SeqSlice
 from warmstart.runner.batch import Batch, BatchItem, ItemResult
 from warmstart.runner.logits_processors import LogitsProcessors
@@ -43,13 +44,14 @@ class ModelRunner:
         (torch.zeros writes every page). The ledger has reserved the bytes either way. Zeros matter: padded
         decode reads masked slots, and 0 x garbage could be NaN."""
         s = self.spec
-        shape = (2, s.num_layers, num_blocks, block_size, s.num_kv_heads, kv_row_width(s.head_dim, self.kv_dtype))
+        dims = (num_blocks, block_size, s.num_kv_heads, kv_row_width(s.head_dim, self.kv_dtype))
         if self.device.type == "cpu":
             nbytes = self.kv_block_bytes(block_size) * num_blocks
             self._kv_mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            self.kv = torch.frombuffer(self._kv_mapping, dtype=self.kv_dtype).view(shape)
+            storage = torch.frombuffer(self._kv_mapping, dtype=self.kv_dtype)
         else:
-            self.kv = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            storage = torch.zeros(2 * s.num_layers * math.prod(dims), dtype=self.kv_dtype, device=self.device)
+        self.kv = kv_blocks(storage, (2, s.num_layers), *dims)   # [2, L, blocks, bs, Hkv, row], head-major memory
         self.block_size = block_size
         return self.kv.numel() * self.kv.element_size()
 

@@ -79,7 +79,7 @@ class Stack {
       ws::fused::rotary_(q, cos, sin);
       ws::fused::rotary_(k, cos, sin);
       const CacheViews& c = (*views)[i];
-      ws::fused::write_kv(k, v, c.k_rows, c.v_rows, slots);
+      ws::fused::write_kv(k, v, c.k, c.v, slots);
       at::Tensor a = ws::paged::paged_attention(q, c.k, c.v, block_tables, seq_idx, ctx_lens, scale);
       if (a.scalar_type() != x.scalar_type()) a = a.to(x.scalar_type());  // float32 out, as kernels.paged_attention
       // MLP block
@@ -91,22 +91,19 @@ class Stack {
   }
 
  private:
-  // Layer i's K and V blocks [blocks, bs, Hkv, row] and the same as rows [slots, Hkv, row] (row: D, or D + 4 for an
-  // int8 cache: codes + scale). Made once per KV tensor, as the Python path's backend caches its own (runner/
-  // attention.py _layer_views), instead of six tensor views per layer per step.
+  // Layer i's K and V blocks [blocks, bs, Hkv, row] (row: D, or D + 4 for an int8 cache: codes + scale; strided
+  // views of the head-major cache, see kernels.kv_blocks). Made once per KV tensor, as the Python path's backend
+  // caches its own (runner/attention.py _layer_views), instead of four tensor views per layer per step.
   struct CacheViews {
-    at::Tensor k, v, k_rows, v_rows;
+    at::Tensor k, v;
   };
 
   std::shared_ptr<const std::vector<CacheViews>> cache_views(const at::Tensor& kv) const {
     std::lock_guard<std::mutex> lock(views_mu_);
     if (!views_of_.is_same(kv)) {  // (undefined before the first call)
       auto made = std::make_shared<std::vector<CacheViews>>();
-      const int64_t row = kv.size(5);
-      for (int64_t i = 0; i < int64_t(layers_.size()); ++i) {
-        at::Tensor k = kv.select(0, 0).select(0, i), v = kv.select(0, 1).select(0, i);
-        made->push_back({k, v, k.view({-1, Hkv_, row}), v.view({-1, Hkv_, row})});
-      }
+      for (int64_t i = 0; i < int64_t(layers_.size()); ++i)
+        made->push_back({kv.select(0, 0).select(0, i), kv.select(0, 1).select(0, i)});
       views_ = std::move(made);
       views_of_ = kv;
     }

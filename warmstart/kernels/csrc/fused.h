@@ -138,28 +138,40 @@ void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
 template <typename T>
 inline T from_float(float v) { return static_cast<T>(v); }
 
+// Where (token t, kv head h)'s row goes: caches are one layer's [blocks, block_size, Hkv, row] with any strides but a
+// contiguous row (the runner's is head-major: each head's rows of a block side by side, see kernels.kv_blocks).
+struct CacheRows {
+  int64_t bs, s0, s1, s2;
+  CacheRows(const torch::Tensor& c) : bs(c.size(1)), s0(c.stride(0)), s1(c.stride(1)), s2(c.stride(2)) {}
+  int64_t offset(int64_t slot, int64_t h) const { return (slot / bs) * s0 + (slot % bs) * s1 + h * s2; }
+};
+
 template <typename C, typename S>
-void write_rows(const torch::Tensor& src, torch::Tensor& cache, const int64_t* slots, int64_t T, int64_t width) {
+void write_rows(const torch::Tensor& src, torch::Tensor& cache, const int64_t* slots, int64_t T, int64_t Hkv,
+                int64_t D) {
   const S* sp = src.data_ptr<S>();
   const int64_t ss = src.stride(0);
   C* cp = cache.data_ptr<C>();
-  for (int64_t t = 0; t < T; ++t) {
-    const S* row = sp + t * ss;
-    C* dst = cp + slots[t] * width;
-    if constexpr (std::is_same_v<C, S>) std::memcpy(dst, row, width * sizeof(C));
-    else for (int64_t i = 0; i < width; ++i) dst[i] = from_float<C>(f32(row[i]));
-  }
+  const CacheRows at(cache);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const S* row = sp + t * ss + h * D;
+      C* dst = cp + at.offset(slots[t], h);
+      if constexpr (std::is_same_v<C, S>) std::memcpy(dst, row, D * sizeof(C));
+      else for (int64_t i = 0; i < D; ++i) dst[i] = from_float<C>(f32(row[i]));
+    }
 }
 
-// int8 rows: each (token, head) row of D values becomes D codes and its float32 scale, stored after them
-// (cache [slots, Hkv, D + 4] int8): scale = max|x| / 127, code = round-half-even(x / scale), 0 for an all-zero row.
+// int8 rows: each (token, head) row of D values becomes D codes and its float32 scale, stored after them (rows of
+// D + 4 int8): scale = max|x| / 127, code = round-half-even(x / scale), 0 for an all-zero row.
 // kernels.write_kv's torch path computes exactly this (same float32 divisions), so both write the same bytes.
 template <typename S>
 inline void write_rows_i8(const torch::Tensor& src, torch::Tensor& cache, const int64_t* slots, int64_t T,
                           int64_t Hkv, int64_t D) {
   const S* sp = src.data_ptr<S>();
-  const int64_t ss = src.stride(0), row = D + int64_t(sizeof(float));
+  const int64_t ss = src.stride(0);
   int8_t* cp = cache.data_ptr<int8_t>();
+  const CacheRows at(cache);
   std::vector<float> xf(std::is_same_v<S, float> ? 0 : D);  // a bfloat16 row widened
   for (int64_t t = 0; t < T; ++t)
     for (int64_t h = 0; h < Hkv; ++h) {
@@ -171,7 +183,7 @@ inline void write_rows_i8(const torch::Tensor& src, torch::Tensor& cache, const 
         for (int64_t i = 0; i < D; ++i) xf[i] = f32(xs[i]);
         x = xf.data();
       }
-      int8_t* dst = cp + (slots[t] * Hkv + h) * row;
+      int8_t* dst = cp + at.offset(slots[t], h);
       float amax = 0.f;
       for (int64_t i = 0; i < D; ++i) amax = std::max(amax, std::fabs(x[i]));
       const float d = amax / 127.f;
@@ -181,23 +193,24 @@ inline void write_rows_i8(const torch::Tensor& src, torch::Tensor& cache, const 
     }
 }
 
-// k_cache[slots[t]] = k[t], v_cache[slots[t]] = v[t]; k, v [T, Hkv, D] float32 or bfloat16 (rows of any stride,
-// heads contiguous), caches [slots, Hkv, D] contiguous in float32, bfloat16 or float16 (round to nearest even), or int8
-// [slots, Hkv, D + 4] (write_rows_i8).
+// cache[slots[t] / bs, slots[t] % bs] = k[t] (and v); k, v [T, Hkv, D] float32 or bfloat16 (rows of any stride, heads
+// contiguous); caches [blocks, bs, Hkv, D] (rows contiguous, see CacheRows) in float32, bfloat16 or float16 (round to
+// nearest even), or int8 [blocks, bs, Hkv, D + 4] (write_rows_i8).
 template <typename S>
 void write_kv_rows(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache, torch::Tensor& v_cache,
-                   const int64_t* sl, int64_t T, int64_t width) {
+                   const int64_t* sl, int64_t T) {
+  const int64_t Hkv = k.size(1), D = k.size(2);
   switch (k_cache.scalar_type()) {
     case torch::kFloat:
-      write_rows<float, S>(k, k_cache, sl, T, width); write_rows<float, S>(v, v_cache, sl, T, width); break;
+      write_rows<float, S>(k, k_cache, sl, T, Hkv, D); write_rows<float, S>(v, v_cache, sl, T, Hkv, D); break;
     case torch::kBFloat16:
-      write_rows<at::BFloat16, S>(k, k_cache, sl, T, width); write_rows<at::BFloat16, S>(v, v_cache, sl, T, width);
+      write_rows<at::BFloat16, S>(k, k_cache, sl, T, Hkv, D); write_rows<at::BFloat16, S>(v, v_cache, sl, T, Hkv, D);
       break;
     case torch::kHalf:
-      write_rows<at::Half, S>(k, k_cache, sl, T, width); write_rows<at::Half, S>(v, v_cache, sl, T, width); break;
+      write_rows<at::Half, S>(k, k_cache, sl, T, Hkv, D); write_rows<at::Half, S>(v, v_cache, sl, T, Hkv, D); break;
     case torch::kChar:
-      write_rows_i8<S>(k, k_cache, sl, T, k.size(1), k.size(2));
-      write_rows_i8<S>(v, v_cache, sl, T, k.size(1), k.size(2));
+      write_rows_i8<S>(k, k_cache, sl, T, Hkv, D);
+      write_rows_i8<S>(v, v_cache, sl, T, Hkv, D);
       break;
     default: TORCH_CHECK(false, "cache dtype must be float32, bfloat16, float16 or int8");
   }
@@ -207,21 +220,22 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
   const auto dt = k.scalar_type();
   TORCH_CHECK((dt == torch::kFloat || dt == torch::kBFloat16) && v.scalar_type() == dt && k.dim() == 3 &&
               v.dim() == 3, "k and v must be float32 or bfloat16 [T, Hkv, D], of one dtype");
-  const int64_t T = k.size(0), width = k.size(1) * k.size(2);
+  const int64_t T = k.size(0);
   TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2) &&
               v.sizes() == k.sizes(), "k and v must have contiguous heads and equal shapes");
   const bool i8 = k_cache.scalar_type() == torch::kChar;
-  const int64_t cache_width = i8 ? k.size(1) * (k.size(2) + int64_t(sizeof(float))) : width;
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type() &&
-              k_cache.numel() % cache_width == 0 && v_cache.numel() == k_cache.numel(),
-              "caches must be contiguous [S, Hkv, D] ([S, Hkv, D + 4] for int8)");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.scalar_type() == v_cache.scalar_type() && k_cache.size(2) == k.size(1) &&
+                  k_cache.size(3) == k.size(2) + (i8 ? int64_t(sizeof(float)) : 0) && k_cache.stride(3) == 1 &&
+                  v_cache.stride(3) == 1,
+              "caches must be [blocks, block_size, Hkv, D] ([..., D + 4] for int8) with contiguous rows");
   TORCH_CHECK(slots.is_contiguous() && slots.scalar_type() == torch::kLong && slots.numel() == T,
               "slots must be int64 [T]");
   const int64_t* sl = slots.data_ptr<int64_t>();
-  const int64_t capacity = k_cache.numel() / cache_width;
+  const int64_t capacity = k_cache.size(0) * k_cache.size(1);
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sl[t] >= 0 && sl[t] < capacity, "slot out of range");
-  if (dt == torch::kFloat) write_kv_rows<float>(k, v, k_cache, v_cache, sl, T, width);
-  else write_kv_rows<at::BFloat16>(k, v, k_cache, v_cache, sl, T, width);
+  if (dt == torch::kFloat) write_kv_rows<float>(k, v, k_cache, v_cache, sl, T);
+  else write_kv_rows<at::BFloat16>(k, v, k_cache, v_cache, sl, T);
 }
 
 // [T, 2I] (gate | up) -> silu(gate) * up, [T, I]. bfloat16: silu(gate) rounded, then the product, as
