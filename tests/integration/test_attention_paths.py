@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from tests.checkpoints import write_checkpoint
-from warmstart import LLM, SamplingParams
-from warmstart.runner.attention import PAGED_MAX_Q
+from warmstart import LLM, SamplingParams, kernels
+from warmstart.runner.attention import PAGED_MAX_Q, PagedAttentionBackend
 from warmstart.runner.batch import BatchItem
 
 LOGIT_ATOL = 2e-4   # same math in another order (fp32 accumulation in both paths)
@@ -90,3 +90,30 @@ def test_mixed_batch_routes(ckpt):
     assert [s.route for s in meta.seqs] == ["fresh", "paged", "paged"]
     assert meta.paged.rows.tolist() == [3, 4, 5, 6, 7]
     assert meta.paged.ctx_lens.tolist() == [21, 31, 32, 33, 34]
+
+
+@pytest.mark.parametrize("kv_dtype", ["float16", "int8"])
+def test_runner_cache_is_head_major_and_each_slot_holds_its_token(ckpt, kv_dtype, monkeypatch):
+    """The runner's cache is the logical [2, L, blocks, bs, Hkv, row] over head-major memory (kernels.kv_blocks):
+    each head's rows of a block side by side. After a prompt, the row at each prompt token's slot is that token's K
+    (as the fresh route recomputes it and the cache rounds it), wherever the layout puts it."""
+    llm = LLM(str(ckpt), dtype="float32", kv_cache_dtype=kv_dtype, startup_plan="off", max_model_len=128,
+              kv_cache_memory=16 * 2**20)
+    kv = llm.booted.runner.kv
+    _, _, nb, bs, hkv, row = kv.shape
+    assert kv.stride()[2:] == (hkv * bs * row, row, bs * row, 1)
+    assert kv.untyped_storage().nbytes() == kv.numel() * kv.element_size()     # no gaps: the ledger's bytes
+    written = {}
+    call = PagedAttentionBackend.__call__
+
+    def spy(self, layer, q, k, v):
+        if layer == 0 and [s.route for s in self.meta.seqs] == ["fresh"]:
+            written["k"], written["slots"] = k.clone(), self.meta.slot_mapping.clone()
+        return call(self, layer, q, k, v)
+
+    monkeypatch.setattr(PagedAttentionBackend, "__call__", spy)
+    llm.generate_ids([list(range(3, 40))], SamplingParams(max_tokens=1, temperature=0))
+    got = kernels.kv_rows_as(kernels.kv_slot_rows(kv[0, 0], written["slots"]), torch.float32)
+    want = kernels.kv_rows_as(kernels.quantize_kv_rows(written["k"]), torch.float32) if kv_dtype == "int8" \
+        else written["k"].to(torch.float16).float()
+    assert torch.equal(got, want)

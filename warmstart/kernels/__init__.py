@@ -93,9 +93,10 @@ def kv_blocks(storage: torch.Tensor, lead: tuple[int, ...], num_blocks: int, blo
     [*lead, num_blocks, block_size, kv_heads, row], laid out head-major: [*lead, num_blocks, kv_heads, block_size,
     row] in memory, so each head's rows of a block are block_size x row contiguous elements, as vLLM lays them out.
     Decode attention reads one head's rows position after position; with heads interleaved per position (the
-    logical order in memory) that is a stride of kv_heads rows, and on a Zen 3 EPYC the hardware prefetcher then
-    falls behind: the float16 kernel read 6.2 GB/s at 1 thread and 11.2 at 2, head-major 8.6 and 13.4 (batch 8 x
-    2,048 positions, same kernel, bit-identical results; benchmarks/paged_attention.py)."""
+    logical order in memory) that is a stride of kv_heads rows, and on Zen 2/3 EPYCs the hardware prefetcher then
+    falls behind. Batch 8 x 2,048 positions, same kernel, bit-identical results (benchmarks/paged_attention.py
+    --layouts head position): float16 1.39x (1 thread) and 1.20x (2) faster head-major on a Zen 3, 1.19x and 1.21x
+    on a Zen 2; int8 1.06-1.11x (its arithmetic, not memory, limits it there)."""
     n = len(lead)
     return storage.view(*lead, num_blocks, kv_heads, block_size, row).transpose(n + 1, n + 2)
 

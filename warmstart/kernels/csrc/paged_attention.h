@@ -505,9 +505,9 @@ void run(const float* q, float* out, const T* kc, const T* vc, const int32_t* bt
   const int64_t part_sz = G * (D + 2);
   std::vector<float> part(split ? n_items * Hkv * part_sz : 0);
   // Heads per task: all Hkv heads of an item when there are enough items to keep the threads busy, so a task reads
-  // each cache block front to back (a block's positions hold all heads' rows side by side); one head per task
+  // every head's rows of a block (head-major in the runner's cache: Hkv runs of block_size rows); one head per task
   // otherwise (a decode batch of one). Each (item, kv head) is computed the same way either way: the grouping never
-  // changes a result.
+  // changes a result. With the head-major cache one head per task measured the same at batch 8 (0.95-0.98x).
   const int64_t hpt = n_items >= 4 * int64_t(at::get_num_threads()) ? Hkv : 1;
   const int64_t n_hgroups = Hkv / hpt;
   const int64_t row_bytes = D * int64_t(sizeof(T)) + kRowExtra<T>;
