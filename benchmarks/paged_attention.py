@@ -45,12 +45,6 @@ from warmstart.runner.attention import _attend  # noqa: E402
 H, HKV, D, BS = 9, 3, 64, 16
 
 
-def head_major(cache: torch.Tensor) -> torch.Tensor:
-    """A [blocks, bs, Hkv, row] cache's values in the runner's layout (kernels.kv_blocks: head-major memory)."""
-    out = kernels.kv_blocks(torch.empty(cache.numel(), dtype=cache.dtype), (), *cache.shape)
-    return out.copy_(cache)
-
-
 def setup(B: int, ctx: int, dtype: torch.dtype, seed: int = 0, layout: str = "head"):
     g = torch.Generator().manual_seed(seed)
     per_seq = -(-ctx // BS)
@@ -62,7 +56,7 @@ def setup(B: int, ctx: int, dtype: torch.dtype, seed: int = 0, layout: str = "he
     else:
         kc, vc = kc.to(dtype), vc.to(dtype)
     if layout == "head":
-        kc, vc = head_major(kc), head_major(vc)
+        kc, vc = kernels.head_major_copy(kc), kernels.head_major_copy(vc)
     ids = torch.randperm(nb, generator=g)[:B * per_seq].to(torch.int32)
     bt = ids.view(B, per_seq).contiguous()
     q = torch.randn(B, H, D, generator=g).to(torch.float32 if dtype is torch.int8 else dtype)

@@ -61,8 +61,7 @@ def _caches(blocks, bs, hkv, width, dtype, head_major):
     """A zeroed [blocks, bs, hkv, width] cache pair, position-major or laid out as the runner's (kernels.kv_blocks)."""
     if not head_major:
         return tuple(torch.zeros(blocks, bs, hkv, width, dtype=dtype) for _ in range(2))
-    return tuple(kernels.kv_blocks(torch.zeros(blocks * bs * hkv * width, dtype=dtype), (), blocks, bs, hkv, width)
-                 for _ in range(2))
+    return tuple(kernels.head_major_copy(torch.zeros(blocks, bs, hkv, width, dtype=dtype)) for _ in range(2))
 
 
 def _written(cache, slots, rows):
@@ -106,7 +105,7 @@ def test_write_kv_int8_rows_are_the_torch_paths_bytes(rows, head_major):
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.int8])
 def test_write_kv_torch_path_writes_a_head_major_cache_in_place(cache_dtype, monkeypatch):
     """The fallback (no compiled kernels, or a GPU) writes through the strided view into the cache's storage."""
-    monkeypatch.setattr(kernels, "_use_fused", lambda *t: False)
+    monkeypatch.setattr(kernels.fused, "_use_fused", lambda *t: False)
     hkv, d, blocks, bs = 3, 64, 10, 5
     width = d + kernels.KV_SCALE_BYTES if cache_dtype is torch.int8 else d
     k, v = torch.randn(4, hkv, d), torch.randn(4, hkv, d)

@@ -158,14 +158,6 @@ def test_native_same_result_with_any_thread_count():
     assert torch.equal(one, two)          # each (query, kv head) is one task: no cross-thread reduction
 
 
-def head_major(cache: torch.Tensor) -> torch.Tensor:
-    """The same cache values as the runner lays them out: kernels.kv_blocks over head-major storage."""
-    nb, bs, hkv, row = cache.shape
-    out = kernels.kv_blocks(torch.empty(cache.numel(), dtype=cache.dtype), (), nb, bs, hkv, row)
-    out.copy_(cache)
-    return out
-
-
 @pytest.mark.parametrize("impl", IMPLS.values(), ids=IMPLS.keys())
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8])
 def test_head_major_cache_gives_the_same_bits(impl, cache_dtype):
@@ -174,7 +166,7 @@ def test_head_major_cache_gives_the_same_bits(impl, cache_dtype):
     one- and all-heads-per-task groupings included (a decode batch of one, and of many)."""
     for seqs in ([(1300, 1)], [(40, 1)] * 9 + [(600, 3)]):
         q, kc, vc, bt, si, cl = make_case(seqs, H=9, Hkv=3, D=64, bs=16, cache_dtype=cache_dtype, seed=5)
-        hk, hv = head_major(kc), head_major(vc)
+        hk, hv = kernels.head_major_copy(kc), kernels.head_major_copy(vc)
         assert hk.stride(2) == 16 * hk.shape[-1] and not hk.is_contiguous()
         assert torch.equal(impl(q, hk, hv, bt, si, cl, 0.125), impl(q, kc, vc, bt, si, cl, 0.125))
 
