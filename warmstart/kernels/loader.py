@@ -20,7 +20,7 @@ def _cpu_flags() -> set[str] | None:
     return None
 
 
-def load_native(name: str = "_paged"):
+def load_native(name: str):
     """Returns (module, None) or (None, reason). Checks the CPU before loading: the .so holds AVX2/FMA/F16C code."""
     if os.environ.get("WARMSTART_NO_NATIVE_KERNELS"):
         return None, "disabled by WARMSTART_NO_NATIVE_KERNELS"
